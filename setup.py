@@ -1,0 +1,31 @@
+"""specforge-opd: on-policy distillation (Draft-OPD) for DFlash draft models on SpecForge.
+
+Pinned runtime dependencies live in requirements.lock and are installed by
+scripts/setup_env.sh (SpecForge must go in with --no-deps, which setup.py cannot
+express), so install_requires lists only what the package imports directly.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="specforge-opd",
+    version="0.1.0",
+    description="Draft-OPD: on-policy distillation for speculative-decoding draft models",
+    python_requires=">=3.11",
+    packages=find_packages(include=["specforge_opd", "specforge_opd.*"]),
+    package_data={"specforge_opd": ["fixtures/**/*", "fixtures/*"]},
+    install_requires=[
+        "torch>=2.11",
+        "transformers>=5.8.1,<5.9",
+        "safetensors",
+        "pydantic>=2",
+        "pyyaml",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        # client side of the SGLang modes: the server lives in its own env/image
+        "sglang": ["aiohttp", "requests"],
+        "gpu": ["flash-attn", "liger-kernel"],
+    },
+    entry_points={"console_scripts": ["specforge-opd=specforge_opd.cli:main"]},
+)

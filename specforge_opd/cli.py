@@ -1,0 +1,91 @@
+"""The ``specforge-opd`` command: one verb per job (DESIGN.md section 2).
+
+Each verb lives in the module that owns the job and is imported lazily, so
+``specforge-opd config`` does not pay for importing torch. A verb's function
+takes the remaining argv and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional
+
+from .config import ConfigError, ExperimentConfig, load_config
+
+#: verb -> "module:function" (function(argv: list[str]) -> int)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare-assets": ("specforge_opd.assets:cli", "convert the embedded target and unpack offline prompt sets"),
+    "config": ("specforge_opd.cli:config_cmd", "print the resolved experiment config"),
+    "sft": ("specforge_opd.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
+    "rollout": ("specforge_opd.rollout:cli", "one speculative rollout pass to shards"),
+    "inspect": ("specforge_opd.shards:cli", "validate and summarize a shard directory"),
+    "distill": ("specforge_opd.trainer:cli", "the OPD trainer over shards"),
+    "opd": ("specforge_opd.opd:cli", "the whole iterated OPD stage"),
+    "eval": ("specforge_opd.evaluate:cli", "accepted length (tau) and speedup per dataset"),
+}
+
+
+def experiment_parser(prog: str, description: str = "") -> argparse.ArgumentParser:
+    """An argparse parser with the shared ``-c FILE``, overrides and ``--out`` shorthand."""
+    p = argparse.ArgumentParser(prog=f"specforge-opd {prog}", description=description)
+    p.add_argument("-c", "--config", help="experiment YAML (configs/<exp>/<stage>.yaml)")
+    p.add_argument("--out", help="shorthand for output.dir; wins over YAML and overrides")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    return p
+
+
+def parse_experiment(
+    parser: argparse.ArgumentParser, argv: list[str], extra_flags: Optional[Callable] = None
+) -> tuple[argparse.Namespace, ExperimentConfig]:
+    """Parse argv with ``parser`` and load the config; exits with one clear line on a config error."""
+    args = parser.parse_args(argv)
+    flags = {"output.dir": args.out}
+    if extra_flags is not None:
+        flags.update(extra_flags(args))
+    try:
+        cfg = load_config(args.config, args.overrides, flags)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    return args, cfg
+
+
+def config_cmd(argv: list[str]) -> int:
+    from .config import dump_config
+
+    _, cfg = parse_experiment(experiment_parser("config", "print the resolved config"), argv)
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: specforge-opd VERB [-c CONFIG] [section.field=value ...]\n\nverbs:")
+        for name, (_, help_) in COMMANDS.items():
+            print(f"  {name:15s} {help_}")
+        return 0 if argv else 2
+    verb, rest = argv[0], argv[1:]
+    if verb not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(verb, COMMANDS, n=1)
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        print(f"error: unknown verb `{verb}`{hint}; known: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    mod_name, fn_name = COMMANDS[verb][0].split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    try:
+        return int(fn(rest) or 0)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished work is kept and the same command resumes", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

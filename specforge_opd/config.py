@@ -1,0 +1,331 @@
+"""Typed experiment configuration: one YAML per experiment, ``section.field=value`` overrides.
+
+The schema is pydantic with ``extra="forbid"`` everywhere, so a typo'd key is an
+error, not a silently ignored setting. Where a field means the same as one of
+SpecForge's run-config fields it carries SpecForge's name (``learning_rate``,
+``warmup_ratio``, ``max_grad_norm``, ``num_epochs``, ``batch_size``,
+``accumulation_steps``, ``attention_backend``, ``num_anchors``, ``block_size``).
+
+Each section belongs to one module of the package (named in its docstring); add
+fields to your own section only.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, List, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is wrong; the message names it and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The target model (``specforge_opd.target``).
+
+    ``path`` None means the embedded default (SmolLM2-135M-Instruct converted
+    from its PyPI GGUF package by ``specforge-opd prepare-assets``).
+    """
+
+    path: Optional[str] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"
+    #: Longest prompt + response the target accepts (tokens).
+    max_context: int = Field(default=2048, gt=0)
+    #: What to do with a prompt that does not fit max_context - max_new_tokens.
+    too_long: Literal["error", "truncate_left", "skip"] = "skip"
+    #: Chat-template rendering; rollout, SFT capture and eval share it.
+    thinking: bool = False
+    system_prompt: Optional[str] = None
+    #: Extra stop token ids besides the tokenizer's eos.
+    stop_token_ids: List[int] = Field(default_factory=list)
+
+
+class DraftConfig(Section):
+    """The DFlash drafter (``specforge_opd.drafter``). Unset fields are derived from the target."""
+
+    #: Initial drafter: an HF DFlash directory, a SpecForge step directory
+    #: (``training_state.pt`` or ``-latest``) or a SpecForge HF export.
+    path: Optional[str] = None
+    num_hidden_layers: int = Field(default=1, gt=0)
+    block_size: int = Field(default=16, ge=2)
+    target_layer_ids: Optional[List[int]] = None
+    mask_token_id: Optional[int] = None
+    #: Drafter MLP width; None = the target's intermediate_size.
+    intermediate_size: Optional[int] = None
+
+
+class DataConfig(Section):
+    """Prompt sources (``specforge_opd.prompts``)."""
+
+    #: Training prompt sources, e.g. ["sharegpt"] or ["gsm8k", "math", "aops", "codealpaca"].
+    train_sources: List[str] = Field(default_factory=lambda: ["sharegpt"])
+    #: Local JSONL/Parquet files for hub-only sources: {source_name: path}.
+    local_files: dict[str, str] = Field(default_factory=dict)
+    #: Number of training prompts to take (None = all).
+    num_prompts: Optional[int] = None
+    #: Disjoint hash slices of the prompt pool: a prompt belongs to slice
+    #: int(sha1(normalized text)) % num_slices; SFT and OPD take different slices.
+    num_slices: int = Field(default=1, gt=0)
+    slices: List[int] = Field(default_factory=lambda: [0])
+    #: Evaluation sets whose prompts are removed from the training pool.
+    exclude_eval: List[str] = Field(
+        default_factory=lambda: ["mtbench", "humaneval", "mmath_math500", "mmath_aime24", "mmath_aime25"]
+    )
+    max_prompt_tokens: int = Field(default=512, gt=0)
+    seed: int = 0
+
+
+class RolloutConfig(Section):
+    """Speculative rollouts (``specforge_opd.rollout``)."""
+
+    backend: Literal["embedded", "sglang_verify", "sglang_native"] = "embedded"
+    batch_size: int = Field(default=8, gt=0)
+    max_new_tokens: int = Field(default=256, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    teacher: Literal["full", "topk", "token"] = "full"
+    teacher_topk: int = Field(default=32, gt=0)
+    anchors: Literal["real", "random"] = "real"
+    #: Store target context features in shards (False: the trainer recomputes them).
+    store_features: bool = True
+    #: Target sequences per shard file.
+    sequences_per_shard: int = Field(default=16, gt=0)
+    seed: int = 0
+
+
+class TrainingConfig(Section):
+    """Drafter training, shared by SFT (SpecForge) and OPD (``specforge_opd.trainer``)."""
+
+    learning_rate: float = Field(default=3e-4, gt=0.0)
+    lr_scheduler: Literal["cosine", "constant"] = "cosine"
+    warmup_ratio: float = Field(default=0.05, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    num_epochs: int = Field(default=1, gt=0)
+    batch_size: int = Field(default=1, gt=0)
+    accumulation_steps: int = Field(default=1, gt=0)
+    attention_backend: Literal["sdpa", "flex_attention", "eager"] = "sdpa"
+    #: SFT (SpecForge) only: random anchors per sequence.
+    num_anchors: int = Field(default=512, gt=0)
+    seed: int = 42
+    # --- OPD loss (paper section 4.2, Eq. 1; DESIGN.md section 4) ---
+    loss: Literal["mixed", "all_forward", "all_reverse", "naive_target_assisted"] = "mixed"
+    #: Weight decay^(k-1) on rejected slot k (not SpecForge's loss_decay_gamma).
+    rejected_decay: float = Field(default=0.8, gt=0.0, le=1.0)
+    #: Measure the decay from slot 1 (paper) or from the first rejected slot.
+    decay_from: Literal["slot1", "first_rejected"] = "slot1"
+    lambda_acc: float = Field(default=1.0, ge=0.0)
+    lambda_rej: float = Field(default=1.0, ge=0.0)
+    #: eq1: (la*L_acc + lr*L_rej)/(la+lr); pooled: the authors' (sum_acc + sum w rej)/(N_acc + sum w).
+    combine: Literal["eq1", "pooled"] = "eq1"
+    feature_source: Literal["shard", "target"] = "shard"
+    #: Slots per lm_head/KL chunk.
+    chunk_slots: int = Field(default=1024, gt=0)
+    #: Stop after this many non-finite steps in a row.
+    max_nonfinite_steps: int = Field(default=3, gt=0)
+    log_interval: int = Field(default=1, gt=0)
+
+
+class SFTConfig(Section):
+    """The SFT stage (``specforge_opd.sft``)."""
+
+    #: Generate responses greedily (temperature 0) or sampled.
+    temperature: float = Field(default=0.0, ge=0.0)
+    max_new_tokens: int = Field(default=256, gt=0)
+    batch_size: int = Field(default=8, gt=0)
+    #: SpecForge run-config overrides passed through verbatim (section.field: value).
+    specforge_overrides: dict[str, Any] = Field(default_factory=dict)
+
+
+class OPDConfig(Section):
+    """The iterated OPD stage (``specforge_opd.opd``)."""
+
+    prompts_per_step: int = Field(default=8, gt=0)
+    #: Prompts rolled out per iteration (a multiple of prompts_per_step).
+    prompts_per_iteration: int = Field(default=32, gt=0)
+    spool_dir: Optional[str] = None
+    spool_budget_bytes: int = Field(default=8 * 2**30, gt=0)
+    keep_shards: bool = False
+    eval_every: int = Field(default=1, ge=0)
+
+
+class EvalConfig(Section):
+    """Evaluation (``specforge_opd.evaluate``)."""
+
+    datasets: List[str] = Field(default_factory=lambda: ["mtbench", "humaneval", "mmath_math500"])
+    num_prompts: Optional[int] = 16
+    max_new_tokens: int = Field(default=128, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    seeds: List[int] = Field(default_factory=lambda: [0])
+    batch_size: int = Field(default=1, gt=0)
+    #: Measure wall-clock speedup by live decoding as well (slow on a CPU).
+    speedup: bool = True
+
+
+class SGLangConfig(Section):
+    """SGLang server settings (``specforge_opd.sglang``)."""
+
+    #: Command that runs SGLang's Python (SGLang usually lives in its own env).
+    python: str = "python"
+    urls: List[str] = Field(default_factory=list)
+    max_total_tokens: int = Field(default=65536, gt=0)
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    max_in_flight: int = Field(default=64, gt=0)
+    extra_args: List[str] = Field(default_factory=list)
+
+
+class OutputConfig(Section):
+    dir: str = "runs/default"
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None
+
+
+class ExperimentConfig(Section):
+    """The whole experiment. Sections may be omitted in YAML (defaults apply)."""
+
+    name: str = "experiment"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    opd: OPDConfig = Field(default_factory=OPDConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    #: Directory the YAML came from; relative paths in the config resolve against the repo root.
+    source_file: Optional[str] = None
+
+    def resolve_path(self, p: Optional[str]) -> Optional[Path]:
+        """Resolve a config path: absolute as is; relative against the current directory."""
+        if p is None:
+            return None
+        return Path(os.path.expanduser(p)).resolve()
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_valid_keys(ann, dotted + "."))
+    return keys
+
+
+def _suggest(bad: str) -> str:
+    keys = _valid_keys(ExperimentConfig)
+    close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.6)
+    if not close:
+        # also try the leaf name within its section
+        section = bad.rsplit(".", 1)[0] + "." if "." in bad else ""
+        leaves = [k for k in keys if k.startswith(section)]
+        close = difflib.get_close_matches(bad, leaves, n=1, cutoff=0.4)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def _format_errors(err: ValidationError, where: str) -> str:
+    lines = []
+    for e in err.errors():
+        dotted = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key `{dotted}`{_suggest(dotted)}")
+        else:
+            lines.append(f"{where}: `{dotted}`: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML (so `1e-4`, `true`, `[1,2]` work)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict, dotted: str, value: Any) -> None:
+    """Set ``data[a][b] = value`` for ``dotted = "a.b"``, creating sections as needed."""
+    parts = dotted.split(".")
+    cur = data
+    for p in parts[:-1]:
+        nxt = cur.get(p)
+        if nxt is None:
+            nxt = cur[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override `{dotted}`: `{p}` is not a section")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def load_config(
+    path: Optional[str | os.PathLike],
+    overrides: Optional[list[str]] = None,
+    flags: Optional[dict[str, Any]] = None,
+) -> ExperimentConfig:
+    """Load an experiment YAML, apply ``section.field=value`` overrides, then flag shorthands.
+
+    Precedence: YAML < overrides < flags (``flags`` maps dotted keys to values,
+    e.g. ``{"output.dir": "runs/x"}`` for ``--out``; None values are ignored).
+
+    Raises:
+        ConfigError: missing/unreadable file, YAML syntax error, malformed
+            override, unknown key (with the nearest valid key), or wrong type.
+    """
+    data: dict = {}
+    where = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist (pass -c with a YAML under configs/)")
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {p} is unreadable: {e}") from e
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: YAML syntax error: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+        data.setdefault("source_file", str(p.resolve()))
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override `{ov}` must look like section.field=value")
+        key, val = ov.split("=", 1)
+        apply_override(data, key.strip(), _parse_value(val))
+        where_ov = f"{where} + overrides"
+        where = where_ov
+    for key, val in (flags or {}).items():
+        if val is not None:
+            apply_override(data, key, val)
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, where)) from None
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    """The resolved config as YAML (what ``specforge-opd config`` prints)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

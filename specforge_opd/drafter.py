@@ -1,0 +1,267 @@
+"""The DFlash drafter: derive its config from the target, load it, export it, check it fits.
+
+One exporter serves the SFT stage, the OPD trainer and every other writer of
+drafters: ``save_drafter`` writes the HF layout SGLang loads unchanged
+(DESIGN.md section 6): ``config.json`` with ``architectures: ["DFlashDraftModel"]``,
+``block_size``, ``dflash_config.{mask_token_id, target_layer_ids}``, no
+``auto_map``, no tied embeddings; weights ``layers.*``, ``fc.weight``,
+``hidden_norm.weight``, ``norm.weight`` in ``model.safetensors`` (no embedding,
+no lm_head: the drafter borrows the target's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .adapter import DFlashDraftModel, Qwen3Config, build_target_layer_ids
+
+#: Fields copied from the target config into a derived drafter config.
+_TARGET_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "hidden_act",
+    "rope_theta",
+    "rope_parameters",
+    "head_dim",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+METADATA_FILE = "specforge_opd.json"
+
+
+class DrafterError(ValueError):
+    """A drafter does not load or does not fit the target; the message says what and how to fix it."""
+
+
+def _text_config(cfg):
+    return getattr(cfg, "text_config", cfg)
+
+
+def derive_draft_config(
+    target_config,
+    *,
+    num_hidden_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int,
+    target_layer_ids: Optional[list[int]] = None,
+    intermediate_size: Optional[int] = None,
+) -> Qwen3Config:
+    """Build a DFlash drafter config from the target's HF config.
+
+    Hidden size, head layout and vocabulary come from the target (the drafter
+    reads the target's embedding and lm_head); ``target_layer_ids`` default to
+    SpecForge's ``build_target_layer_ids(num_target_layers, num_hidden_layers)``.
+
+    Raises:
+        DrafterError: a layer id outside the target, or a mask id outside its vocabulary.
+    """
+    t = _text_config(target_config)
+    payload: dict[str, Any] = {}
+    for f in _TARGET_FIELDS:
+        v = getattr(t, f, None)
+        if v is not None:
+            payload[f] = v
+    if "head_dim" not in payload:
+        payload["head_dim"] = t.hidden_size // t.num_attention_heads
+    if intermediate_size is not None:
+        payload["intermediate_size"] = intermediate_size
+    n_target = int(t.num_hidden_layers)
+    ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(n_target, num_hidden_layers)
+    bad = [i for i in ids if not 0 <= i < n_target]
+    if bad:
+        raise DrafterError(
+            f"draft.target_layer_ids {bad} are outside the target's {n_target} decoder layers (0..{n_target - 1})"
+        )
+    if not 0 <= mask_token_id < t.vocab_size:
+        raise DrafterError(f"draft.mask_token_id={mask_token_id} is outside the target vocabulary ({t.vocab_size})")
+    payload.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        num_hidden_layers=num_hidden_layers,
+        num_target_layers=n_target,
+        block_size=block_size,
+        layer_types=["full_attention"] * num_hidden_layers,
+        sliding_window=None,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_cache=True,
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in ids]},
+    )
+    if payload.get("pad_token_id") is None:
+        payload["pad_token_id"] = 0
+    return Qwen3Config(**payload)
+
+
+def build_drafter(draft_config: Qwen3Config, attention_backend: str = "sdpa", seed: Optional[int] = None) -> DFlashDraftModel:
+    """A freshly initialized ``DFlashDraftModel`` (fp32) for ``draft_config``."""
+    draft_config._attn_implementation = attention_backend
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = DFlashDraftModel(draft_config)
+    return model.float()
+
+
+def drafter_layer_ids(model_or_config) -> list[int]:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return [int(i) for i in cfg.dflash_config["target_layer_ids"]]
+
+
+def drafter_mask_token_id(model_or_config) -> int:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return int(cfg.dflash_config["mask_token_id"])
+
+
+def check_compatible(draft_config, target_config, *, expected_mask_token_id: Optional[int] = None) -> None:
+    """Raise ``DrafterError`` naming every mismatch between a drafter and the target.
+
+    Checked: hidden size, number of target layers (and that every layer id
+    exists), vocabulary size, and the mask token (inside the vocabulary, and
+    equal to ``expected_mask_token_id`` when given).
+    """
+    t = _text_config(target_config)
+    problems = []
+    if draft_config.hidden_size != t.hidden_size:
+        problems.append(f"hidden size {draft_config.hidden_size} != target {t.hidden_size}")
+    n_target = getattr(draft_config, "num_target_layers", None)
+    if n_target is not None and n_target != t.num_hidden_layers:
+        problems.append(f"num_target_layers {n_target} != target's {t.num_hidden_layers} layers")
+    dfc = getattr(draft_config, "dflash_config", None) or {}
+    ids = dfc.get("target_layer_ids")
+    if not ids:
+        problems.append("dflash_config.target_layer_ids is missing")
+    elif any(not 0 <= i < t.num_hidden_layers for i in ids):
+        problems.append(f"target_layer_ids {ids} exceed the target's {t.num_hidden_layers} layers")
+    vocab = getattr(draft_config, "vocab_size", None)
+    if vocab is not None and vocab != t.vocab_size:
+        problems.append(f"vocab_size {vocab} != target {t.vocab_size}")
+    mask = dfc.get("mask_token_id")
+    if mask is None:
+        problems.append("dflash_config.mask_token_id is missing")
+    elif not 0 <= mask < t.vocab_size:
+        problems.append(f"mask_token_id {mask} outside the target vocabulary {t.vocab_size}")
+    elif expected_mask_token_id is not None and mask != expected_mask_token_id:
+        problems.append(f"mask_token_id {mask} != configured draft.mask_token_id {expected_mask_token_id}")
+    if problems:
+        raise DrafterError("drafter does not fit the target: " + "; ".join(problems))
+
+
+def _atomic_dir(out_dir: Path):
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+
+
+def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: Optional[dict] = None) -> Path:
+    """Export ``model`` as an SGLang-loadable HF DFlash directory, atomically.
+
+    Writes ``config.json``, ``model.safetensors`` (fp32 unless the model is in
+    another dtype) and, when given, ``specforge_opd.json`` with ``metadata``
+    (training step, FLOPs, provenance). An existing ``out_dir`` is replaced only
+    after the new one is complete.
+    """
+    out = Path(out_dir)
+    tmp = _atomic_dir(out)
+    try:
+        cfg = model.config.to_dict()
+        for k in ("auto_map", "_attn_implementation_autoset", "transformers_version", "_name_or_path"):
+            cfg.pop(k, None)
+        cfg["architectures"] = ["DFlashDraftModel"]
+        cfg["tie_word_embeddings"] = False
+        cfg["block_size"] = int(model.block_size)
+        if isinstance(cfg.get("dtype"), torch.dtype):
+            cfg["dtype"] = str(cfg["dtype"]).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if metadata is not None:
+            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True, default=str))
+        if out.exists():
+            old = out.with_name(out.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_drafter_metadata(path: str | os.PathLike) -> dict:
+    p = Path(path) / METADATA_FILE
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
+    """Read a DFlash ``config.json`` (directory or file) into a ``Qwen3Config``.
+
+    Raises:
+        DrafterError: missing file, wrong architecture, or missing ``dflash_config`` fields.
+    """
+    p = Path(path)
+    cfg_file = p / "config.json" if p.is_dir() else p
+    if not cfg_file.is_file():
+        raise DrafterError(f"drafter {path}: no config.json (expected an HF DFlash directory)")
+    payload = json.loads(cfg_file.read_text())
+    arch = payload.get("architectures") or []
+    if arch != ["DFlashDraftModel"]:
+        raise DrafterError(f"drafter {path}: architectures={arch}, expected ['DFlashDraftModel']")
+    dfc = payload.get("dflash_config") or {}
+    for k in ("mask_token_id", "target_layer_ids"):
+        if k not in dfc:
+            raise DrafterError(f"drafter {path}: config.json lacks dflash_config.{k}")
+    if "block_size" not in payload:
+        raise DrafterError(f"drafter {path}: config.json lacks block_size")
+    payload.pop("auto_map", None)
+    payload["tie_word_embeddings"] = False
+    payload.setdefault("num_target_layers", max(dfc["target_layer_ids"]) + 1)
+    payload.setdefault("layer_types", ["full_attention"] * payload["num_hidden_layers"])
+    return Qwen3Config(**payload)
+
+
+def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", target_config=None) -> DFlashDraftModel:
+    """Load a drafter from an HF DFlash directory (ours, a SpecForge export, or a published one).
+
+    SpecForge step directories are handled by ``specforge_opd.sft.load_specforge_checkpoint``.
+    With ``target_config`` given, ``check_compatible`` runs before the weights load.
+
+    Raises:
+        DrafterError: not a DFlash directory, incompatible with the target, or
+            weights that do not match the architecture.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise DrafterError(f"drafter path {p} does not exist (draft.path)")
+    config = load_draft_config(p)
+    if target_config is not None:
+        check_compatible(config, target_config)
+    model = build_drafter(config, attention_backend)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise DrafterError(f"drafter {p}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    state = {k: v for k, v in state.items() if "embed_tokens" not in k and "lm_head" not in k}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or missing:
+        raise DrafterError(f"drafter {p}: weights do not match the architecture (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    return model.float()
