@@ -73,6 +73,8 @@ class DataConfig(Section):
     local_files: dict[str, str] = Field(default_factory=dict)
     #: Number of training prompts to take (None = all).
     num_prompts: Optional[int] = None
+    #: Per-source caps applied before mixing, e.g. {gsm8k: 2000, math: 5000}.
+    source_limits: dict[str, int] = Field(default_factory=dict)
     #: Disjoint hash slices of the prompt pool: a prompt belongs to slice
     #: int(sha1(normalized text)) % num_slices; SFT and OPD take different slices.
     num_slices: int = Field(default=1, gt=0)

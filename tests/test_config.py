@@ -1,0 +1,43 @@
+"""Typed config: unknown keys, wrong types, overrides and flag precedence."""
+
+import subprocess
+import sys
+
+import pytest
+
+from specforge_opd.config import ConfigError, load_config
+
+
+def test_typo_names_key_and_suggestion(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  learning_rate: 1.0e-4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, ["training.learning_rat=1"])
+    assert "learning_rat" in str(e.value) and "training.learning_rate" in str(e.value)
+
+
+def test_wrong_type_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="training.learning_rate"):
+        load_config(None, ["training.learning_rate=abc"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [1, 2\n")
+    with pytest.raises(ConfigError, match="YAML"):
+        load_config(bad)
+
+
+def test_precedence_yaml_overrides_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("output:\n  dir: a\ntraining:\n  learning_rate: 1.0e-4\n")
+    cfg = load_config(f, ["output.dir=b", "training.learning_rate=2e-4"], {"output.dir": "c"})
+    assert cfg.output.dir == "c" and cfg.training.learning_rate == pytest.approx(2e-4)
+
+
+def test_cli_config_typo_exits_nonzero():
+    r = subprocess.run(
+        [sys.executable, "-m", "specforge_opd.cli", "config", "training.learning_rat=1"],
+        capture_output=True, text=True,
+    )
+    assert r.returncode != 0
+    assert "learning_rat" in r.stderr and "learning_rate" in r.stderr
