@@ -1,0 +1,347 @@
+"""The acceptance-aware distillation objective of Draft-OPD (paper section 4.2, Eq. 1; appendix 8).
+
+Pure functions over tensors; no model, no I/O. DESIGN.md section 4 is the spec.
+
+Slot layout (DESIGN.md section 3): a block has ``block_size`` (bs) slots; slot 0
+holds the token at the anchor, slots k = 1..bs-1 are drafted, and block m accepted
+r_m of them. Slot k is *accepted* when k <= r_m, *rejected* when k > r_m.
+
+The loss is a weighted sum over slots, ``L = sum_i c_i * KL_i``, where the
+per-slot coefficient c_i depends only on accepted counts of the whole global
+batch (all ranks, all accumulation micro-steps). ``plan_slots`` and
+``slot_coefficients`` compute c_i before any forward pass, so the drafter's
+output can be consumed in chunks (``chunk_kl_terms``) and each rank's
+contribution is already normalized globally.
+
+Eq. 1 with empty terms: ``L = (la * L_acc + lr * L_rej) / (la + lr)`` where
+``L_acc = S_acc / N_acc`` and ``L_rej = S_rej / W_rej``. A term whose slot set is
+empty in the global batch is 0, and the denominator stays ``la + lr``: each
+term keeps its fixed share of the loss (with no rejected slot,
+``L = la * L_acc / (la + lr)``, i.e. half of L_acc with the default lambdas).
+The alternative reading (renormalizing to ``L = L_acc``) would make a slot's
+weight jump with the batch's composition; we do not do that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: Loss variants (``training.loss``), all configuration of the same two terms.
+LOSS_VARIANTS = ("mixed", "all_forward", "all_reverse", "naive_target_assisted")
+
+#: Clamps of the realized-token k3 estimator: those of verl's ``low_var_kl``
+#: (the paper's OPD stage was built on verl; the paper itself states no clamp).
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+#: Probability clamp of the Bernoulli forward-KL estimator, keeps log(1 - q) finite.
+BERNOULLI_EPS = 1e-6
+
+
+@dataclass
+class SlotPlan:
+    """The trained slots of one sequence, flattened.
+
+    Attributes (all length N = number of trained slots):
+        block: int64, block index m.
+        slot: int64, slot index k in 1..bs-1 (teacher index k-1; predicts position a_m + k).
+        rejected: bool, slot belongs to the rejected term (L_rej) rather than L_acc.
+        reverse: bool, KL direction: True = KL(q || p) (reverse), False = KL(p || q) (forward).
+        weight: float32, w_k for rejected slots (``rejected_decay`` powers), 1.0 for accepted.
+    """
+
+    block: torch.Tensor
+    slot: torch.Tensor
+    rejected: torch.Tensor
+    reverse: torch.Tensor
+    weight: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.block.numel())
+
+    def n_acc(self) -> float:
+        """Number of accepted-term slots (the L_acc denominator's share of this sequence)."""
+        return float((~self.rejected).sum())
+
+    def w_rej(self) -> float:
+        """Sum of rejected-term weights (the L_rej denominator's share)."""
+        return float(self.weight[self.rejected].sum())
+
+
+def plan_slots(
+    accepted: torch.Tensor,
+    block_size: int,
+    *,
+    loss: str = "mixed",
+    rejected_decay: float = 0.8,
+    decay_from: str = "slot1",
+) -> SlotPlan:
+    """Which slots of a sequence are trained, in which term, direction and weight.
+
+    Args:
+        accepted: int64 [M], r_m in 0..bs-1.
+        block_size: bs (slots per block, slot 0 included; the paper's K = bs - 1).
+        loss: ``mixed`` (Eq. 1: forward on accepted, reverse on rejected),
+            ``all_forward`` / ``all_reverse`` (same terms and weights, one direction),
+            ``naive_target_assisted`` (slots 1..r_m+1, forward KL, all in the
+            accepted term with weight 1: the verified trajectory only, whose
+            slot r_m+1 teacher is the bonus distribution; drafts after it dropped).
+        rejected_decay: w_k = rejected_decay^(k-1) (paper section 4.2, gamma = 0.8 there).
+        decay_from: ``slot1`` (paper: exponent k-1) or ``first_rejected`` (exponent k-r_m-1).
+
+    Returns:
+        SlotPlan over the trained slots, ordered by (block, slot).
+
+    Raises:
+        ValueError: unknown ``loss`` / ``decay_from``, or accepted counts outside 0..bs-1.
+    """
+    if loss not in LOSS_VARIANTS:
+        raise ValueError(f"training.loss={loss!r}: expected one of {LOSS_VARIANTS}")
+    if decay_from not in ("slot1", "first_rejected"):
+        raise ValueError(f"training.decay_from={decay_from!r}: expected slot1 or first_rejected")
+    accepted = accepted.long().view(-1)
+    M = accepted.numel()
+    if M and (int(accepted.min()) < 0 or int(accepted.max()) > block_size - 1):
+        raise ValueError(f"accepted counts must lie in 0..{block_size - 1}, got {accepted.tolist()}")
+    k = torch.arange(1, block_size).view(1, -1).expand(M, -1)  # [M, bs-1]
+    r = accepted.view(-1, 1)
+    rejected = k > r
+    if loss == "naive_target_assisted":
+        keep = k <= r + 1
+        rejected_term = torch.zeros_like(rejected)
+        reverse = torch.zeros_like(rejected)
+        weight = torch.ones(k.shape, dtype=torch.float32)
+    else:
+        keep = torch.ones_like(rejected)
+        rejected_term = rejected
+        if loss == "mixed":
+            reverse = rejected
+        elif loss == "all_forward":
+            reverse = torch.zeros_like(rejected)
+        else:  # all_reverse
+            reverse = torch.ones_like(rejected)
+        exponent = (k - 1) if decay_from == "slot1" else (k - r - 1)
+        weight = torch.where(rejected, torch.tensor(rejected_decay, dtype=torch.float64) ** exponent.double(), 1.0).float()
+    blocks = torch.arange(M).view(-1, 1).expand(M, block_size - 1)
+    return SlotPlan(
+        block=blocks[keep],
+        slot=k[keep],
+        rejected=rejected_term[keep],
+        reverse=reverse[keep],
+        weight=weight[keep],
+    )
+
+
+def slot_coefficients(
+    plan: SlotPlan,
+    n_acc: float,
+    w_rej: float,
+    *,
+    lambda_acc: float = 1.0,
+    lambda_rej: float = 1.0,
+    combine: str = "eq1",
+) -> torch.Tensor:
+    """Per-slot coefficients c_i so that the global loss is ``sum_i c_i KL_i``.
+
+    ``n_acc`` and ``w_rej`` are the global denominators: the count of
+    accepted-term slots and the sum of rejected-term weights over the whole
+    global batch (every rank and accumulation micro-step).
+
+    * ``eq1`` (paper Eq. 1): accepted c = la / ((la + lr) n_acc); rejected
+      c = lr w_k / ((la + lr) w_rej). An empty term contributes 0 and the other
+      keeps its share la/(la+lr) or lr/(la+lr) (module docstring).
+    * ``pooled`` (the authors' code): c = 1 / (n_acc + w_rej) accepted,
+      w_k / (n_acc + w_rej) rejected.
+
+    Returns:
+        float32 [N]. All zeros when the global batch has no trained slot.
+
+    Raises:
+        ValueError: unknown ``combine``, or both lambdas zero with ``eq1``.
+    """
+    w = plan.weight.float()
+    if combine == "pooled":
+        den = n_acc + w_rej
+        if den <= 0:
+            return torch.zeros_like(w)
+        return torch.where(plan.rejected, w, torch.ones_like(w)) / den
+    if combine != "eq1":
+        raise ValueError(f"training.combine={combine!r}: expected eq1 or pooled")
+    lam = lambda_acc + lambda_rej
+    if lam <= 0:
+        raise ValueError("training.lambda_acc + training.lambda_rej must be > 0 (set either to 1.0)")
+    c_acc = lambda_acc / (lam * n_acc) if n_acc > 0 else 0.0
+    c_rej = lambda_rej / (lam * w_rej) if w_rej > 0 else 0.0
+    return torch.where(plan.rejected, w * c_rej, torch.full_like(w, c_acc))
+
+
+# ---------------------------------------------------------------------------
+# KL estimators per teacher form; every function returns per-slot KL, float32 [N]
+
+
+def kl_from_logprobs(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p || q) = sum_y p(y) (log p(y) - log q(y)) over the last axis.
+
+    Args: log-probabilities [..., V] of two normalized distributions (any float dtype).
+    Returns: float32 [...]. Categories with p = 0 contribute 0 (no NaN from 0 * -inf).
+    """
+    logp = logp.float()
+    logq = logq.float()
+    p = logp.exp()
+    diff = torch.where(p > 0, logp - logq, torch.zeros_like(logp))
+    return (p * diff).sum(-1)
+
+
+def kl_full(student_logits: torch.Tensor, teacher_logits: torch.Tensor, reverse: torch.Tensor) -> torch.Tensor:
+    """Exact per-slot KL over the full vocabulary (teacher form ``full``).
+
+    Args:
+        student_logits: [N, V], drafter hidden through the frozen target lm_head (q).
+        teacher_logits: [N, V], the verify pass's final hidden through the same lm_head (p).
+        reverse: bool [N]; False = forward KL(p || q) (paper appendix 8, accepted),
+            True = reverse KL(q || p) (rejected).
+    Returns:
+        float32 [N], >= 0. Both distributions at temperature 1, unfiltered.
+    """
+    logq = F.log_softmax(student_logits.float(), dim=-1)
+    logp = F.log_softmax(teacher_logits.float(), dim=-1)
+    fwd = kl_from_logprobs(logp, logq)
+    rev = kl_from_logprobs(logq, logp)
+    return torch.where(reverse, rev, fwd)
+
+
+def kl_topk(
+    student_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    draft_logprob: torch.Tensor,
+    reverse: torch.Tensor,
+) -> torch.Tensor:
+    """Per-slot KL on a coarsened vocabulary (teacher form ``topk``).
+
+    The categories are the teacher's top-k ids, the drafted token (when it is not
+    among them: a rejected draft usually is not), and one tail bucket holding the
+    remaining mass on both sides. KL between the two coarsened distributions is a
+    true KL (hence >= 0) and a lower bound of the full KL (data processing); it
+    equals ``kl_full`` when k = V.
+
+    Args:
+        student_logits: [N, V].
+        topk_ids: int64 [N, k]; topk_logprobs: [N, k] teacher log-probs (temperature 1).
+        draft_ids: int64 [N], d_{m,k}; draft_logprob: [N], the teacher's log p(d_{m,k}).
+        reverse: bool [N] (see ``kl_full``).
+    Returns:
+        float32 [N], >= 0.
+    """
+    logits = student_logits.float()
+    N, V = logits.shape
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    draft_ids = draft_ids.view(-1, 1)
+    draft_new = ~(topk_ids == draft_ids).any(-1, keepdim=True)  # [N, 1]
+    ids = torch.cat([topk_ids, draft_ids], dim=1)  # [N, k+1]
+    in_support = torch.zeros(N, V, dtype=torch.bool, device=logits.device)
+    in_support.scatter_(1, ids, True)
+    # The student tail is exact (logsumexp over the ids outside the support); it
+    # is absent only when the support is the whole vocabulary.
+    tail_present = in_support.sum(-1, keepdim=True) < V
+    masked = logits.masked_fill(in_support, torch.finfo(logits.dtype).min)
+    logq_tail = torch.where(tail_present, torch.logsumexp(masked, -1, keepdim=True) - lse, torch.zeros_like(lse))
+    logq_ids = logits.gather(1, ids) - lse
+
+    logp_ids = torch.cat([topk_logprobs.float(), draft_logprob.float().view(-1, 1)], dim=1)
+    valid = torch.cat([torch.ones_like(topk_ids, dtype=torch.bool), draft_new], dim=1)
+    p_ids = torch.where(valid, logp_ids.exp(), torch.zeros_like(logp_ids))
+    # Stored log-probs can sum to slightly more than 1 after rounding: the tail
+    # is clamped at 0, never negative.
+    p_tail = torch.where(tail_present, (1.0 - p_ids.sum(-1, keepdim=True)).clamp_min(0.0), torch.zeros_like(lse))
+    logp_tail = p_tail.clamp_min(1e-30).log()
+
+    logp_all = torch.cat([torch.where(valid, logp_ids, torch.zeros_like(logp_ids)), logp_tail], dim=1)
+    logq_all = torch.cat([torch.where(valid, logq_ids, torch.zeros_like(logq_ids)), logq_tail], dim=1)
+    present = torch.cat([valid, tail_present], dim=1)
+    p_all = torch.cat([p_ids, p_tail], dim=1)
+    q_all = torch.where(present, logq_all.exp(), torch.zeros_like(logq_all))
+    fwd = (p_all * (logp_all - logq_all)).sum(-1)
+    rev = (q_all * (logq_all - logp_all)).sum(-1)
+    return torch.where(reverse, rev, fwd)
+
+
+def kl_token(
+    student_logits: torch.Tensor,
+    draft_ids: torch.Tensor,
+    draft_logprob: torch.Tensor,
+    reverse: torch.Tensor,
+) -> torch.Tensor:
+    """Realized-token estimators of the authors (teacher form ``token``): a surrogate, not an unbiased KL.
+
+    * forward: Bernoulli KL between "the slot emits d" under p and under q:
+      ``p_d log(p_d/q_d) + (1-p_d) log((1-p_d)/(1-q_d))``, probabilities clamped
+      to [1e-6, 1-1e-6]. A lower bound of KL(p || q).
+    * reverse: k3 = exp(delta) - delta - 1 with delta = log p(d) - log q(d),
+      delta clamped to [-20, 20] and the value to [-10, 10] (verl's clamps). k3 is
+      unbiased for KL(q || p) only when d ~ q; DFlash drafts are the argmax, so
+      here it is a surrogate that penalizes the drafter's own mode where the
+      teacher disagrees.
+
+    Args:
+        student_logits: [N, V]; draft_ids: int64 [N]; draft_logprob: [N] teacher log p(d);
+        reverse: bool [N].
+    Returns:
+        float32 [N], >= 0.
+    """
+    logq_d = F.log_softmax(student_logits.float(), dim=-1).gather(1, draft_ids.view(-1, 1)).squeeze(1)
+    logp_d = draft_logprob.float()
+    p = logp_d.exp().clamp(BERNOULLI_EPS, 1 - BERNOULLI_EPS)
+    q = logq_d.exp().clamp(BERNOULLI_EPS, 1 - BERNOULLI_EPS)
+    bern = p * (p.log() - q.log()) + (1 - p) * ((1 - p).log() - (1 - q).log())
+    delta = (logp_d - logq_d).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    k3 = (delta.exp() - delta - 1).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    return torch.where(reverse, k3, bern)
+
+
+def chunk_kl_terms(
+    student_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    coef: torch.Tensor,
+    reverse: torch.Tensor,
+    rejected: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    topk_logprobs: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
+    draft_logprob: torch.Tensor | None = None,
+):
+    """Loss terms of one chunk of slots: the lm_head and the KL, fused for chunking.
+
+    Student logits = ``student_hidden @ lm_head_weight.T`` in fp32 (the frozen
+    target lm_head); the teacher form is picked by which optional tensors are
+    given (``teacher_hidden`` -> full; ``topk_ids`` -> topk; else token).
+
+    Args:
+        student_hidden: [n, H] drafter outputs at the trained slots.
+        lm_head_weight: [V, H], frozen.
+        coef: float32 [n] (``slot_coefficients``); reverse, rejected: bool [n]; weight: float32 [n].
+    Returns:
+        (loss, acc_kl_sum, rej_wkl_sum): 0-dim float32; ``loss = sum coef * KL``
+        carries the gradient; the two sums (detached) feed the L_acc / L_rej metrics.
+    """
+    w = lm_head_weight.float()
+    logits = student_hidden.float() @ w.t()
+    if teacher_hidden is not None:
+        with torch.no_grad():
+            teacher_logits = teacher_hidden.float() @ w.t()
+        kl = kl_full(logits, teacher_logits, reverse)
+    elif topk_ids is not None:
+        kl = kl_topk(logits, topk_ids, topk_logprobs, draft_ids, draft_logprob, reverse)
+    else:
+        kl = kl_token(logits, draft_ids, draft_logprob, reverse)
+    loss = (coef * kl).sum()
+    kd = kl.detach()
+    acc = torch.where(rejected, torch.zeros_like(kd), kd).sum()
+    rej = torch.where(rejected, kd * weight, torch.zeros_like(kd)).sum()
+    return loss, acc, rej
