@@ -32,3 +32,29 @@ def optimizer_and_scheduler():
     import specforge.optimizer as optimizer
 
     return optimizer, lr_scheduler
+
+
+# --- SFT stage (engineer D, specforge_opd.sft) --------------------------------
+
+
+def specforge_run_config_class():
+    """SpecForge's run-config schema (``specforge.config.Config``): validates the run YAML we write."""
+    from specforge.config import Config
+
+    return Config
+
+
+def specforge_resolve_mask_token_id(*, explicit, tokenizer, embedding_vocab_size: int, draft_model=None) -> int:
+    """SpecForge's mask-token resolution (explicit, draft config, tokenizer mask, first unused slot, ...)."""
+    from specforge.training.model_utils import resolve_mask_token_id
+
+    return resolve_mask_token_id(
+        explicit=explicit, tokenizer=tokenizer, embedding_vocab_size=embedding_vocab_size, draft_model=draft_model
+    )
+
+
+def specforge_checkpoint_layout():
+    """SpecForge's checkpoint layout: (state file name, ``resolve_resume_dir(path) -> step dir``)."""
+    from specforge.training.checkpoint import STATE_FILE, CheckpointManager
+
+    return STATE_FILE, CheckpointManager.resolve_resume_dir

@@ -146,6 +146,13 @@ class SFTConfig(Section):
     temperature: float = Field(default=0.0, ge=0.0)
     max_new_tokens: int = Field(default=256, gt=0)
     batch_size: int = Field(default=8, gt=0)
+    #: Prompts per responses chunk file (the unit of resume for generation).
+    chunk_prompts: int = Field(default=32, gt=0)
+    #: SpecForge ``training.save_interval`` in optimizer steps (0: about five checkpoints per run).
+    save_interval: int = Field(default=0, ge=0)
+    #: Export check: prompts decoded speculatively and compared with greedy target decoding.
+    verify_prompts: int = Field(default=2, ge=0)
+    verify_max_new_tokens: int = Field(default=32, gt=0)
     #: SpecForge run-config overrides passed through verbatim (section.field: value).
     specforge_overrides: dict[str, Any] = Field(default_factory=dict)
 

@@ -1,0 +1,1140 @@
+"""The SFT stage on SpecForge: responses -> features -> train -> export (issue 4).
+
+``specforge-opd sft -c configs/<exp>/sft.yaml`` trains a DFlash drafter with
+SpecForge's own DFlash SFT trainer on the target's own responses:
+
+1. **responses**: training prompts (``prompts.training_pool``) rendered with the
+   target's chat template (``chat.render_prompt``, the rendering rollout and
+   benchmarks use) and answered by the target, greedy or sampled
+   (``sft.temperature``); JSONL chunks of token ids.
+2. **features**: the target runs over prompt + response; each kept sample is a
+   SpecForge offline DFlash feature file ``rows_*/data_*.ckpt`` =
+   ``torch.save({input_ids [S] int64, loss_mask [S] int64, hidden_states
+   [1, S, n*H]})``, ``loss_mask`` 1 exactly on response tokens, features at the
+   drafter's ``target_layer_ids`` (layer k = HF ``hidden_states[k + 1]``,
+   DESIGN.md section 3), plus our ``manifest.json``.
+3. **train**: a SpecForge run YAML (strategy dflash, offline features) and
+   ``python -m specforge.cli train -c run.yaml`` as a subprocess, resumed from
+   its ``-latest`` checkpoint when one exists.
+4. **export**: the final SpecForge checkpoint, read with
+   ``torch.load(weights_only=True)``, exported by ``drafter.save_drafter`` to
+   ``<output.dir>/final`` and verified: reloaded, and a short speculative decode
+   must equal greedy target decoding.
+
+Every step writes into a directory named by a hash of its inputs and a
+``DONE.json`` marker last, so a rerun skips finished steps, a changed input
+redoes only what depends on it, and a killed run resumes by chunk / by sample /
+from SpecForge's checkpoint without duplicating samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from .config import ConfigError, ExperimentConfig
+
+STEPS = ("responses", "features", "train", "export")
+MARKER = "DONE.json"
+#: Feature files per ``rows_*`` directory (keeps directories listable at 100K samples).
+ROWS_PER_DIR = 1000
+#: SpecForge run id: checkpoints are ``<train dir>/checkpoints/sft-step<N>`` and ``sft-latest``.
+SPECFORGE_RUN_ID = "sft"
+#: DFlash anchors need a supervised token and a supervised successor
+#: (SpecForge's ``has_consecutive_supervised_tokens``); fewer cannot train.
+MIN_SUPERVISED_TOKENS = 2
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class SFTError(RuntimeError):
+    """The SFT stage cannot go on; the message names the step, the cause and the fix."""
+
+
+# ---------------------------------------------------------------------------
+# small durable-file helpers
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp name, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _fsync_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def hash_inputs(inputs: dict) -> str:
+    """SHA-256 of a JSON-canonical dict: the key a step's output is stored under."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def step_dir(out: Path, step: str, key: str) -> Path:
+    return out / f"{step}-{key[:12]}"
+
+
+def is_done(d: Path, key: str) -> bool:
+    """True when ``d`` holds a finished step whose marker records ``key``."""
+    m = d / MARKER
+    if not m.is_file():
+        return False
+    try:
+        return json.loads(m.read_text()).get("key") == key
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _mark_done(d: Path, key: str, inputs: dict, stats: dict) -> None:
+    _write_json(d / MARKER, {"key": key, "inputs": inputs, "stats": stats, "finished_at": time.time()})
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes under ``path`` (symlinks not followed)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            if not os.path.islink(p):
+                total += os.path.getsize(p)
+    return total
+
+
+# ---------------------------------------------------------------------------
+# target, mask token and draft config
+
+
+def target_dir(cfg: ExperimentConfig) -> str:
+    """The target's HF directory (or hub id) as SpecForge's ``model.target_model_path``."""
+    if cfg.target.path is None:
+        from .assets import ensure_target
+
+        return str(ensure_target())
+    p = cfg.resolve_path(cfg.target.path)
+    return str(p) if p is not None and p.exists() else cfg.target.path
+
+
+def target_identity(tdir: str) -> str:
+    """A cheap identity of the target: its config.json and its weight files' names and sizes.
+
+    Reading no weights keeps the skip decision instant; a re-converted or
+    replaced checkpoint changes the sizes or the config and redoes the steps.
+    """
+    p = Path(tdir)
+    if not p.is_dir():
+        return f"hub:{tdir}"
+    h = hashlib.sha256()
+    cfg_file = p / "config.json"
+    if cfg_file.is_file():
+        h.update(cfg_file.read_bytes())
+    for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def resolve_mask_token_id(cfg: ExperimentConfig, target_config, tokenizer=None) -> int:
+    """The drafter's ``dflash_config.mask_token_id`` (DESIGN.md section 3, "Mask token").
+
+    Embedded target: ``assets.EMBEDDED_MASK_TOKEN_ID`` (engineer A's documented
+    choice for SmolLM2) unless ``draft.mask_token_id`` overrides it. Other
+    targets: ``draft.mask_token_id``, else SpecForge's own resolution (the
+    tokenizer's mask token, then the first embedding row past the tokenizer,
+    e.g. 151669 for Qwen3), refusing a token that chat text produces (eos/stop).
+
+    Raises:
+        ConfigError: no safe id can be found; set ``draft.mask_token_id``.
+    """
+    if cfg.draft.mask_token_id is not None:
+        return int(cfg.draft.mask_token_id)
+    if cfg.target.path is None:
+        from .assets import EMBEDDED_MASK_TOKEN_ID
+
+        return int(EMBEDDED_MASK_TOKEN_ID)
+    if tokenizer is None:
+        raise ConfigError(
+            "draft.mask_token_id is not set and the target tokenizer is not loaded (dry run); "
+            "set draft.mask_token_id (Qwen3: 151669, the first embedding row past the tokenizer)"
+        )
+    from .adapter import specforge_resolve_mask_token_id
+
+    vocab = int(getattr(target_config, "text_config", target_config).vocab_size)
+    mask = specforge_resolve_mask_token_id(explicit=None, tokenizer=tokenizer, embedding_vocab_size=vocab)
+    produced = {tokenizer.eos_token_id, *list(cfg.target.stop_token_ids)}
+    if mask in produced:
+        raise ConfigError(
+            f"SpecForge's mask-token resolution picked {mask}, a token the target emits (eos/stop); "
+            "set draft.mask_token_id to an embedding row chat text never produces"
+        )
+    return int(mask)
+
+
+def make_draft_config(cfg: ExperimentConfig, target_config, mask_token_id: int):
+    """The drafter's HF config derived from the target (``drafter.derive_draft_config``)."""
+    from .drafter import DrafterError, derive_draft_config
+
+    try:
+        return derive_draft_config(
+            target_config,
+            num_hidden_layers=cfg.draft.num_hidden_layers,
+            block_size=cfg.draft.block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=cfg.draft.target_layer_ids,
+            intermediate_size=cfg.draft.intermediate_size,
+        )
+    except DrafterError as e:
+        raise ConfigError(str(e)) from None
+
+
+def draft_config_dict(draft_config) -> dict:
+    d = draft_config.to_dict()
+    for k in ("transformers_version", "_name_or_path", "auto_map"):
+        d.pop(k, None)
+    if "dtype" in d and not isinstance(d["dtype"], (str, type(None))):
+        d["dtype"] = str(d["dtype"]).replace("torch.", "")
+    return d
+
+
+# ---------------------------------------------------------------------------
+# step 1: responses
+
+
+@dataclass
+class ResponseRecord:
+    """One generated training sample: token ids of the rendered prompt and of the target's response.
+
+    ``response_ids`` ends with the stop token when the target stopped (kept:
+    the drafter learns to propose it) and is cut at ``sft.max_new_tokens``.
+    """
+
+    id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finished: bool
+
+
+def render_training_prompt(tokenizer, record, cfg: ExperimentConfig) -> str:
+    """The generation prompt of a ``PromptRecord`` exactly as rollout renders it.
+
+    ``record.messages`` (a conversation ending in a user turn) goes through
+    ``chat.render_prompt(..., thinking=cfg.target.thinking)``; a bare
+    ``record.prompt`` string becomes one user message.
+
+    Raises:
+        SFTError: the record has neither messages nor a prompt.
+    """
+    messages = getattr(record, "messages", None)
+    if not messages:
+        text = getattr(record, "prompt", None)
+        if not text:
+            raise SFTError(f"prompt record {getattr(record, 'id', '?')!r} has neither messages nor a prompt")
+        messages = [{"role": "user", "content": text}]
+    from .chat import render_prompt
+
+    return render_prompt(tokenizer, messages, thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
+
+
+def _prompt_limit(cfg: ExperimentConfig) -> int:
+    return min(cfg.data.max_prompt_tokens, cfg.target.max_context - cfg.sft.max_new_tokens)
+
+
+def tokenize_prompts(records: Sequence, tokenizer, cfg: ExperimentConfig) -> tuple[list[tuple[str, list[int]]], int]:
+    """Render and tokenize prompt records, applying ``target.too_long``.
+
+    Returns ``([(id, prompt_ids)], n_skipped)``. The template already carries
+    any BOS, so no special tokens are added.
+
+    Raises:
+        SFTError: a prompt is too long and ``target.too_long`` is ``error``, or
+            ``target.max_context`` leaves no room for ``sft.max_new_tokens``.
+    """
+    limit = _prompt_limit(cfg)
+    if limit <= 0:
+        raise SFTError(
+            f"target.max_context={cfg.target.max_context} leaves no room for prompts after "
+            f"sft.max_new_tokens={cfg.sft.max_new_tokens}; raise max_context or lower max_new_tokens"
+        )
+    out, skipped = [], 0
+    for r in records:
+        ids = tokenizer(render_training_prompt(tokenizer, r, cfg), add_special_tokens=False)["input_ids"]
+        if len(ids) > limit:
+            if cfg.target.too_long == "error":
+                raise SFTError(
+                    f"prompt {r.id!r} has {len(ids)} tokens > {limit} (min of data.max_prompt_tokens and "
+                    "target.max_context - sft.max_new_tokens); set target.too_long=skip or truncate_left"
+                )
+            if cfg.target.too_long == "skip":
+                skipped += 1
+                continue
+            ids = ids[-limit:]
+        out.append((str(r.id), list(ids)))
+    return out, skipped
+
+
+def _cut_at_stop(ids: list[int], stop_ids: set[int], max_new: int) -> tuple[list[int], bool]:
+    ids = list(ids)[:max_new]
+    for j, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[: j + 1], True
+    return ids, False
+
+
+def hf_generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
+                temperature: float, seed: int, pad_token_id: int) -> list[list[int]]:
+    """Batched target decoding with HF ``generate`` and left padding (fallback backend).
+
+    Returns the new tokens per prompt (prompt excluded), not yet cut at a stop token.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    width = max(len(p) for p in prompts)
+    dev = next(model.parameters()).device
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        att[i, width - len(p):] = 1
+    kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids),
+                  pad_token_id=pad_token_id)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), **kwargs)
+    return [row[width:].tolist() for row in out.cpu()]
+
+
+def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
+                    temperature: float, seed: int, timeout_s: float) -> list[list[int]]:
+    """Target decoding through SGLang's native ``/generate`` (``input_ids`` in, ``output_ids`` out).
+
+    Prompts go round-robin over ``urls``, one batched request per server.
+
+    Raises:
+        SFTError: no URL configured, a server unreachable, or a reply without ``output_ids``.
+    """
+    import urllib.error
+    import urllib.request
+
+    if not urls:
+        raise SFTError("rollout.backend is sglang but sglang.urls is empty; start a server and list its URL")
+    groups: dict[int, list[int]] = {}
+    for i in range(len(prompts)):
+        groups.setdefault(i % len(urls), []).append(i)
+    results: list[Optional[list[int]]] = [None] * len(prompts)
+    for u, idx in groups.items():
+        body = {
+            "input_ids": [prompts[i] for i in idx],
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                                "stop_token_ids": list(stop_token_ids), "sampling_seed": seed},
+        }
+        req = urllib.request.Request(urls[u].rstrip("/") + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                reply = json.loads(r.read())
+        except (urllib.error.URLError, OSError) as e:
+            raise SFTError(f"SGLang server {urls[u]} /generate failed: {e}") from e
+        reply = reply if isinstance(reply, list) else [reply]
+        for i, rep in zip(idx, reply):
+            if "output_ids" not in rep:
+                raise SFTError(f"SGLang server {urls[u]} replied without output_ids (keys {sorted(rep)})")
+            results[i] = list(rep["output_ids"])
+    return results  # type: ignore[return-value]
+
+
+def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, seed: int,
+                       sample_ids: Optional[list[str]] = None) -> list[list[int]]:
+    """New tokens for each prompt (prompt excluded), from the configured backend.
+
+    The embedded backend is ``rollout.autoregressive_generate`` (KV cache,
+    batched, per-sample generators seeded by ``seed`` and the sample id, so a
+    resumed run samples what the uninterrupted one would).
+    """
+    kw = dict(max_new_tokens=cfg.sft.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids),
+              temperature=cfg.sft.temperature, seed=seed)
+    if cfg.rollout.backend != "embedded":
+        return sglang_generate(cfg.sglang.urls, prompts, timeout_s=cfg.sglang.request_timeout_s, **kw)
+    try:
+        from .rollout import autoregressive_generate
+    except ImportError:
+        autoregressive_generate = None
+    if autoregressive_generate is not None:
+        return [list(r) for r in autoregressive_generate(bundle.model, prompts, sample_ids=sample_ids, **kw)]
+    pad = bundle.tokenizer.pad_token_id
+    pad = bundle.stop_token_ids[0] if pad is None else pad
+    return hf_generate(bundle.model, prompts, pad_token_id=pad, **kw)
+
+
+def read_responses(d: Path) -> list[ResponseRecord]:
+    """All response records of a responses directory, chunk by chunk, in order."""
+    out = []
+    for f in sorted(d.glob("chunk_*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                out.append(ResponseRecord(**json.loads(line)))
+    return out
+
+
+def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: ExperimentConfig) -> dict:
+    """Generate the responses chunk by chunk; an existing chunk file is finished work and is kept.
+
+    Chunk c covers prompts ``[c*chunk, (c+1)*chunk)``; sampling is seeded per
+    prompt id, so a resumed run writes what the uninterrupted one would.
+    """
+    from tqdm import tqdm
+
+    chunk = cfg.sft.chunk_prompts
+    n_chunks = math.ceil(len(tokenized) / chunk)
+    stop = set(bundle.stop_token_ids)
+    done_before = sum((d / f"chunk_{c:05d}.jsonl").is_file() for c in range(n_chunks))
+    bar = tqdm(total=len(tokenized), desc="sft responses", unit="prompt", initial=min(len(tokenized), done_before * chunk))
+    for c in range(n_chunks):
+        f = d / f"chunk_{c:05d}.jsonl"
+        if f.is_file():
+            continue
+        part = tokenized[c * chunk:(c + 1) * chunk]
+        lines = []
+        for b in range(0, len(part), cfg.sft.batch_size):
+            batch = part[b:b + cfg.sft.batch_size]
+            outs = generate_responses(bundle, [p for _, p in batch], cfg, seed=cfg.data.seed,
+                                      sample_ids=[pid for pid, _ in batch])
+            for (pid, p), o in zip(batch, outs):
+                resp, finished = _cut_at_stop(o, stop, cfg.sft.max_new_tokens)
+                lines.append(json.dumps(ResponseRecord(pid, p, resp, finished).__dict__))
+            bar.update(len(batch))
+        _fsync_write(f, ("\n".join(lines) + "\n").encode())
+    bar.close()
+    recs = read_responses(d)
+    return {"samples": len(recs), "response_tokens": sum(len(r.response_ids) for r in recs),
+            "finished": sum(r.finished for r in recs)}
+
+
+# ---------------------------------------------------------------------------
+# step 2: features
+
+
+def feature_path(d: Path, i: int) -> Path:
+    """SpecForge offline layout: ``rows_<i // 1000>/data_<i>.ckpt`` (sorted walk order = sample order)."""
+    return d / f"rows_{i // ROWS_PER_DIR:05d}" / f"data_{i:08d}.ckpt"
+
+
+def supervised_tokens(rec: ResponseRecord, max_context: int) -> int:
+    """Response tokens left after truncation to ``max_context``: the sample's supervised token count."""
+    return max(0, min(len(rec.prompt_ids) + len(rec.response_ids), max_context) - len(rec.prompt_ids))
+
+
+def build_feature_sample(model, rec: ResponseRecord, layer_ids: list[int], max_context: int) -> dict:
+    """One SpecForge offline DFlash sample.
+
+    Returns ``{"input_ids": [S] int64, "loss_mask": [S] int64 (1 on response
+    tokens), "hidden_states": [1, S, len(layer_ids) * H] in the target dtype}``,
+    S = prompt + response tokens truncated to ``max_context``; features are
+    SpecForge's ``extract_context_feature`` of HF ``hidden_states`` (layer k =
+    ``hidden_states[k + 1]``), the same call its ``spec_generate`` uses.
+    """
+    import torch
+
+    from .adapter import extract_context_feature
+
+    ids = (rec.prompt_ids + rec.response_ids)[:max_context]
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    loss_mask = torch.zeros_like(input_ids)
+    loss_mask[len(rec.prompt_ids):] = 1
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids[None].to(dev), output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    hs = extract_context_feature(out.hidden_states, layer_ids).cpu().contiguous()
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_states": hs}
+
+
+def plan_features(records: list[ResponseRecord], max_context: int) -> tuple[list[int], list[tuple[str, int]]]:
+    """Split samples into kept indices and ``(id, supervised tokens)`` of dropped ones.
+
+    A sample trains only with >= 2 supervised tokens (an empty response, a
+    response cut off by ``max_context``, or a template that marks no assistant
+    span gives fewer).
+    """
+    kept, dropped = [], []
+    for i, r in enumerate(records):
+        n = supervised_tokens(r, max_context)
+        (kept.append(i) if n >= MIN_SUPERVISED_TOKENS else dropped.append((r.id, n)))
+    return kept, dropped
+
+
+def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, layer_ids: list[int],
+                 cfg: ExperimentConfig) -> dict:
+    """Write one feature file per kept sample; an existing file (written atomically) is kept.
+
+    The i-th kept sample goes to ``feature_path(d, i)`` in response order, so a
+    resumed run never writes a sample twice. ``manifest.json`` lists counts.
+
+    Raises:
+        SFTError: no sample has >= 2 supervised tokens.
+    """
+    from tqdm import tqdm
+
+    kept, dropped = plan_features(records, cfg.target.max_context)
+    if dropped:
+        warnings.warn(
+            f"sft features: dropped {len(dropped)} of {len(records)} samples with fewer than "
+            f"{MIN_SUPERVISED_TOKENS} supervised (response) tokens, e.g. {dropped[:3]}",
+            stacklevel=2,
+        )
+    if not kept:
+        raise SFTError(
+            f"sft features: none of {len(records)} samples has >= {MIN_SUPERVISED_TOKENS} supervised tokens "
+            "(empty responses or prompts filling target.max_context); check the chat template, "
+            "sft.max_new_tokens and target.max_context"
+        )
+    model = None
+    sup = 0
+    for j, i in enumerate(tqdm(kept, desc="sft features", unit="sample")):
+        rec = records[i]
+        sup += supervised_tokens(rec, cfg.target.max_context)
+        path = feature_path(d, j)
+        if path.is_file():
+            continue
+        model = model or get_model()
+        _atomic_torch_save(build_feature_sample(model, rec, layer_ids, cfg.target.max_context), path)
+    stats = {"samples": len(kept), "dropped": len(dropped), "dropped_ids": [x for x, _ in dropped],
+             "supervised_tokens": sup, "target_layer_ids": layer_ids, "format": "specforge_hidden_states_v1",
+             "files": [str(feature_path(d, j).relative_to(d)) for j in range(len(kept))]}
+    _write_json(d / "manifest.json", stats)
+    return {k: v for k, v in stats.items() if k != "files"}
+
+
+# ---------------------------------------------------------------------------
+# step 3: train (SpecForge subprocess)
+
+
+def on_gpu(cfg: ExperimentConfig) -> bool:
+    import torch
+
+    dev = cfg.target.device
+    return (dev == "auto" and torch.cuda.is_available()) or dev.startswith("cuda")
+
+
+def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_config_file: Path, features: Path,
+                         out_dir: Path, num_samples: int, mask_token_id: int, gpus: int) -> dict:
+    """The SpecForge run config (``specforge/config/schema.py``) of the SFT train step.
+
+    CPU: ``attention_backend: sdpa`` (flex_attention has no CPU backward) and
+    ``fsdp_sharding: NO_SHARD`` (FSDP1 refuses a CPU), no loader workers.
+    GPU: one process per GPU, SpecForge's FSDP default. ``sft.specforge_overrides``
+    (dotted keys) apply last.
+
+    Raises:
+        ConfigError: an override names a key outside the nesting it must extend.
+    """
+    t = cfg.training
+    steps_per_epoch = max(1, math.ceil(num_samples / (t.batch_size * max(1, gpus) * t.accumulation_steps)))
+    total = steps_per_epoch * t.num_epochs
+    run = {
+        "run_id": SPECFORGE_RUN_ID,
+        "output_dir": str(out_dir),
+        "model": {
+            "target_model_path": target_path,
+            "draft_model_config": str(draft_config_file),
+            "torch_dtype": cfg.target.dtype,
+            "mask_token_id": int(mask_token_id),
+        },
+        "data": {
+            "hidden_states_path": str(features),
+            "max_length": cfg.target.max_context,
+        },
+        "training": {
+            "strategy": "dflash",
+            "num_epochs": t.num_epochs,
+            "batch_size": t.batch_size,
+            "accumulation_steps": t.accumulation_steps,
+            "learning_rate": t.learning_rate,
+            "lr_scheduler": t.lr_scheduler,
+            "warmup_ratio": t.warmup_ratio,
+            "max_grad_norm": t.max_grad_norm,
+            "num_anchors": t.num_anchors,
+            "seed": t.seed,
+            "log_interval": t.log_interval,
+            "save_interval": cfg.sft.save_interval or max(1, total // 5),
+            "attention_backend": t.attention_backend,
+        },
+    }
+    if gpus == 0:
+        if t.attention_backend == "flex_attention":
+            warnings.warn("training.attention_backend=flex_attention has no CPU backward; SFT uses sdpa on CPU",
+                          stacklevel=2)
+            run["training"]["attention_backend"] = "sdpa"
+        run["training"]["fsdp_sharding"] = "NO_SHARD"
+        run["data"]["dataloader_num_workers"] = 0
+    else:
+        run["deployment"] = {"trainer": {"nproc_per_node": gpus}}
+    if cfg.output.tensorboard and gpus > 0:
+        run["tracking"] = {"report_to": "tensorboard"}
+    from .config import apply_override
+
+    for k, v in cfg.sft.specforge_overrides.items():
+        apply_override(run, k, v)
+    return run
+
+
+def validate_specforge_run(run: dict) -> None:
+    """Validate ``run`` against SpecForge's schema before spending a subprocess on it.
+
+    Raises:
+        ConfigError: SpecForge rejects it (e.g. a bad ``sft.specforge_overrides`` key).
+    """
+    from .adapter import specforge_run_config_class
+
+    try:
+        specforge_run_config_class().model_validate(run)
+    except Exception as e:  # pydantic ValidationError or SpecForge's ValueError
+        raise ConfigError(f"SpecForge rejects the SFT run config (check sft.specforge_overrides): {e}") from None
+
+
+def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
+    """SpecForge's newest complete step directory under ``ckpt_root``, or None."""
+    from .adapter import specforge_checkpoint_layout
+
+    state_file, resolve = specforge_checkpoint_layout()
+    if not ckpt_root.is_dir() or not any(ckpt_root.glob(f"{SPECFORGE_RUN_ID}-step*")):
+        return None
+    try:
+        d = Path(resolve(str(ckpt_root)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return d if (d / state_file).is_file() else None
+
+
+def run_train(d: Path, run: dict, cfg: ExperimentConfig, gpus: int) -> dict:
+    """Run ``specforge train -c run.yaml`` (output streamed), resuming from its latest checkpoint.
+
+    Raises:
+        SFTError: SpecForge exits non-zero (its output above says why).
+    """
+    import yaml
+
+    from .adapter import specforge_cli_module
+
+    ckpts = Path(run["output_dir"])
+    latest = latest_checkpoint(ckpts)
+    if latest is not None:
+        run = json.loads(json.dumps(run))
+        run["training"]["resume_from"] = str(ckpts)
+        print(f"[sft train] resuming SpecForge from {latest.name}", flush=True)
+    validate_specforge_run(run)
+    run_yaml = d / "run.yaml"
+    _fsync_write(run_yaml, yaml.safe_dump(run, sort_keys=False).encode())
+    cmd = [sys.executable, "-m", specforge_cli_module(), "train", "-c", str(run_yaml)]
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print(f"[sft train] {' '.join(cmd)}", flush=True)
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        raise SFTError(f"sft train: SpecForge exited with status {rc} (its log is above; run.yaml: {run_yaml}); "
+                       "rerunning the same command resumes from its last checkpoint")
+    latest = latest_checkpoint(ckpts)
+    if latest is None:
+        raise SFTError(f"sft train: SpecForge finished but wrote no checkpoint under {ckpts}")
+    return {"checkpoint": str(latest), "step": int(re.search(r"-step(\d+)$", latest.name).group(1))}
+
+
+# ---------------------------------------------------------------------------
+# SpecForge checkpoints -> DFlashDraftModel
+
+
+def _resolve_state_file(path: Path) -> Path:
+    from .adapter import specforge_checkpoint_layout
+    from .drafter import DrafterError
+
+    state_file, resolve = specforge_checkpoint_layout()
+    if path.is_file():
+        if path.name != state_file:
+            raise DrafterError(f"{path} is not a SpecForge {state_file}")
+        return path
+    if (path / state_file).is_file():
+        return path / state_file
+    try:
+        return Path(resolve(str(path))) / state_file
+    except (FileNotFoundError, ValueError) as e:
+        raise DrafterError(f"{path}: no SpecForge checkpoint ({state_file}, a -step<N> dir or a -latest link): {e}")
+
+
+def load_specforge_checkpoint(path: str | os.PathLike, target_config, attention_backend: str = "sdpa"):
+    """Load the drafter of a SpecForge DFlash checkpoint without unpickling code.
+
+    ``path``: a ``training_state.pt``, a ``<run>-step<N>`` directory, a
+    ``<run>-latest`` link, or the run's output directory. The state is read with
+    ``torch.load(weights_only=True)`` (tensors and plain metadata only; SpecForge's
+    own resume uses ``weights_only=False``, which this project forbids). The
+    architecture comes from the checkpoint's ``dflash_*`` resume contract and
+    the target config (hidden size, heads, vocabulary); the MLP width from the
+    weights. Returns a ``DFlashDraftModel`` in fp32 on CPU.
+
+    Raises:
+        DrafterError: no checkpoint there, not weights-only readable, not a
+            DFlash checkpoint, or weights that do not fit the target.
+    """
+    import torch
+
+    from .drafter import DrafterError, build_drafter, check_compatible, derive_draft_config
+
+    state_path = _resolve_state_file(Path(path))
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise DrafterError(
+            f"{state_path} cannot be read safely (torch.load weights_only=True): {e}; "
+            "export it to an HF directory with a trusted SpecForge install and pass that instead"
+        ) from None
+    if not isinstance(state, dict) or not isinstance(state.get("draft_state_dict"), dict):
+        raise DrafterError(f"{state_path} has no draft_state_dict (not a SpecForge training state)")
+    if state.get("strategy") not in (None, "dflash"):
+        raise DrafterError(f"{state_path} was trained with strategy {state.get('strategy')!r}, not dflash")
+    need = ("dflash_draft_num_hidden_layers", "dflash_target_layer_ids", "dflash_block_size", "dflash_mask_token_id")
+    missing = [k for k in need if k not in state]
+    if missing:
+        raise DrafterError(f"{state_path} lacks the DFlash resume contract fields {missing}")
+    weights = {k: v for k, v in state["draft_state_dict"].items() if "embed_tokens" not in k and "lm_head" not in k}
+    t = getattr(target_config, "text_config", target_config)
+    fc = weights.get("fc.weight")
+    if fc is not None and fc.shape[0] != t.hidden_size:
+        raise DrafterError(f"drafter {state_path} does not fit the target: hidden size {fc.shape[0]} != target "
+                           f"{t.hidden_size}")
+    gate = weights.get("layers.0.mlp.gate_proj.weight")
+    try:
+        dcfg = derive_draft_config(
+            target_config,
+            num_hidden_layers=int(state["dflash_draft_num_hidden_layers"]),
+            block_size=int(state["dflash_block_size"]),
+            mask_token_id=int(state["dflash_mask_token_id"]),
+            target_layer_ids=[int(i) for i in state["dflash_target_layer_ids"]],
+            intermediate_size=int(gate.shape[0]) if gate is not None else None,
+        )
+    except DrafterError as e:
+        raise DrafterError(f"drafter {state_path} does not fit the target: {e}") from None
+    check_compatible(dcfg, target_config)
+    model = build_drafter(dcfg, attention_backend)
+    try:
+        missing_k, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    except RuntimeError as e:
+        raise DrafterError(f"drafter {state_path} weights do not fit the target-derived architecture: {e}") from None
+    missing_k = [k for k in missing_k if "embed_tokens" not in k and "lm_head" not in k]
+    if missing_k or unexpected:
+        raise DrafterError(f"drafter {state_path}: weights do not match (missing {missing_k[:5]}, "
+                           f"unexpected {list(unexpected)[:5]})")
+    return model.float()
+
+
+def load_any_drafter(path: str | os.PathLike, target_config, *, expected_mask_token_id: Optional[int] = None,
+                     attention_backend: str = "sdpa"):
+    """Load an existing drafter to reuse instead of SFT (DESIGN.md section 6, "In").
+
+    Accepts a SpecForge step directory / ``training_state.pt`` / ``-latest``
+    link / run directory, a SpecForge HF export, our export, or a published
+    DFlash directory. Compatibility with the target (hidden size, target layer
+    count, vocabulary, mask token) is checked before use.
+
+    Raises:
+        DrafterError: the path holds no drafter, or what does not fit the target.
+    """
+    from .drafter import DrafterError, check_compatible, load_draft_config, load_drafter
+
+    p = Path(path)
+    if not p.exists():
+        raise DrafterError(f"drafter path {p} does not exist (draft.path)")
+    if p.is_dir() and (p / "config.json").is_file():
+        check_compatible(load_draft_config(p), target_config, expected_mask_token_id=expected_mask_token_id)
+        return load_drafter(p, attention_backend, target_config=target_config)
+    model = load_specforge_checkpoint(p, target_config, attention_backend)
+    check_compatible(model.config, target_config, expected_mask_token_id=expected_mask_token_id)
+    return model
+
+
+# ---------------------------------------------------------------------------
+# step 4: export + verification
+
+
+class _CallCounter:
+    """Counts forward calls of a module (the target's verify steps inside ``spec_generate``)."""
+
+    def __init__(self, module):
+        self.n = 0
+        self._h = module.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
+
+    def close(self):
+        self._h.remove()
+
+
+def _greedy(model, prompt: list[int], max_new: int, stop: list[int]) -> list[int]:
+    import torch
+
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([prompt], device=dev), do_sample=False, max_new_tokens=max_new,
+                             eos_token_id=stop, pad_token_id=stop[0])
+    return _cut_at_stop(out[0, len(prompt):].tolist(), set(stop), max_new)[0]
+
+
+def _top2_gap(model, prefix: list[int]) -> float:
+    import torch
+
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(torch.tensor([prefix], device=dev), logits_to_keep=1).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def verify_export(drafter, target_model, prompts: list[list[int]], stop_token_ids: list[int], max_new: int) -> dict:
+    """Speculative decoding with ``drafter`` must reproduce greedy target decoding.
+
+    Uses SpecForge's ``DFlashDraftModel.spec_generate`` at temperature 0. A
+    divergence is tolerated only where the target's top-2 logit gap on the
+    greedy prefix is below 1e-4 (DESIGN.md section 3, "Numerical ties").
+    Returns ``{"prompts", "tokens", "verify_steps", "tau"}``; tau = completion
+    tokens (prefill token included) / verify steps, pooled over the prompts.
+
+    Raises:
+        SFTError: an output differs from greedy decoding at a non-tie position.
+    """
+    import torch
+
+    drafter = drafter.to(next(target_model.parameters()).device).eval()
+    tokens = steps = 0
+    for p in prompts:
+        ref = _greedy(target_model, p, max_new, stop_token_ids)
+        counter = _CallCounter(target_model)
+        try:
+            with torch.inference_mode():
+                out = drafter.spec_generate(target_model, torch.tensor([p], device=next(target_model.parameters()).device),
+                                            max_new, list(stop_token_ids), 0.0)
+        finally:
+            counter.close()
+        got = out[0, len(p):].tolist()
+        n = min(len(got), len(ref))
+        first = next((j for j in range(n) if got[j] != ref[j]), None)
+        if first is None and len(got) != len(ref):
+            first = n
+        if first is not None and first < min(len(got), len(ref)):
+            gap = _top2_gap(target_model, p + ref[:first])
+            if gap >= 1e-4:
+                raise SFTError(f"sft export check: speculative output differs from greedy decoding at response "
+                               f"token {first} (top-2 gap {gap:.3g}, not a tie): the export or its "
+                               "mask token / layer ids are wrong")
+        elif first is not None:
+            raise SFTError(f"sft export check: speculative output has {len(got)} tokens, greedy {len(ref)}")
+        tokens += len(got)
+        steps += max(1, counter.n - 1)  # the first call is the prefill
+    return {"prompts": len(prompts), "tokens": tokens, "verify_steps": steps,
+            "tau": tokens / steps if steps else float("nan")}
+
+
+# ---------------------------------------------------------------------------
+# the stage
+
+
+@dataclass
+class SFTInputs:
+    """What ``run_sft`` works on; tests pass their own (tiny target, own prompts)."""
+
+    bundle_loader: Callable[[], Any]
+    target_path: str
+    prompts: Optional[Sequence] = None
+    timings: dict = field(default_factory=dict)
+
+
+def _load_bundle(cfg: ExperimentConfig):
+    from .target import load_target
+
+    return load_target(cfg.target)
+
+
+def _load_prompts(cfg: ExperimentConfig) -> list:
+    from .prompts import training_pool
+
+    pool = list(training_pool(cfg.data))
+    return pool[: cfg.data.num_prompts] if cfg.data.num_prompts is not None else pool
+
+
+def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
+            target_path: Optional[str] = None) -> Path:
+    """Run the SFT stage end to end; returns the exported HF DFlash directory ``<output.dir>/final``.
+
+    ``bundle`` (a ``TargetBundle``-like object with ``model``, ``tokenizer``,
+    ``stop_token_ids``), ``prompts`` (``PromptRecord``-like) and ``target_path``
+    (HF directory SpecForge loads the target embedding / lm_head / tokenizer
+    from) default to ``target.load_target``, ``prompts.training_pool`` and
+    ``target_dir(cfg)``. Writes ``<output.dir>/sft_report.json`` (wall time per
+    step, disk used, the export check's tau).
+
+    Raises:
+        SFTError, ConfigError, DrafterError: with the step and the fix named.
+    """
+    out = Path(cfg.resolve_path(cfg.output.dir))
+    out.mkdir(parents=True, exist_ok=True)
+    tpath = target_path or target_dir(cfg)
+    timings: dict[str, float] = {}
+    skipped: list[str] = []
+    cache: dict[str, Any] = {"bundle": bundle}
+
+    def get_bundle():
+        if cache["bundle"] is None:
+            print("[sft] loading target", flush=True)
+            cache["bundle"] = _load_bundle(cfg)
+        return cache["bundle"]
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    target_config = get_bundle().model.config if bundle is not None else AutoConfig.from_pretrained(tpath)
+    tokenizer = bundle.tokenizer if bundle is not None else AutoTokenizer.from_pretrained(tpath)
+    mask = resolve_mask_token_id(cfg, target_config, tokenizer)
+    dcfg = make_draft_config(cfg, target_config, mask)
+    layer_ids = [int(i) for i in dcfg.dflash_config["target_layer_ids"]]
+    tid = target_identity(tpath)
+
+    # -- responses
+    t0 = time.time()
+    records_in = list(prompts) if prompts is not None else _load_prompts(cfg)
+    if not records_in:
+        raise SFTError("sft responses: the training prompt pool is empty (check data.train_sources and data.slices)")
+    tokenized, too_long = tokenize_prompts(records_in, tokenizer, cfg)
+    if not tokenized:
+        raise SFTError(f"sft responses: all {len(records_in)} prompts are longer than {_prompt_limit(cfg)} tokens")
+    r_inputs = {"target": tid, "prompts": hash_inputs({"p": tokenized}), "n": len(tokenized),
+                "temperature": cfg.sft.temperature, "max_new_tokens": cfg.sft.max_new_tokens,
+                "chunk": cfg.sft.chunk_prompts, "seed": cfg.data.seed, "stop": list(cfg.target.stop_token_ids),
+                "backend": cfg.rollout.backend}
+    r_key = hash_inputs(r_inputs)
+    r_dir = step_dir(out, "responses", r_key)
+    if is_done(r_dir, r_key):
+        skipped.append("responses")
+        print(f"[sft responses] done already: {r_dir}", flush=True)
+    else:
+        stats = run_responses(r_dir, tokenized, get_bundle(), cfg)
+        stats["prompts_too_long_skipped"] = too_long
+        _mark_done(r_dir, r_key, r_inputs, stats)
+    timings["responses"] = time.time() - t0
+
+    # -- features
+    t0 = time.time()
+    f_inputs = {"responses": r_key, "target": tid, "layer_ids": layer_ids, "max_context": cfg.target.max_context,
+                "dtype": cfg.target.dtype}
+    f_key = hash_inputs(f_inputs)
+    f_dir = step_dir(out, "features", f_key)
+    if is_done(f_dir, f_key):
+        skipped.append("features")
+        print(f"[sft features] done already: {f_dir}", flush=True)
+    else:
+        stats = run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg)
+        _mark_done(f_dir, f_key, f_inputs, stats)
+    n_samples = json.loads((f_dir / MARKER).read_text())["stats"]["samples"]
+    timings["features"] = time.time() - t0
+
+    # -- train
+    t0 = time.time()
+    gpus = _gpu_count() if on_gpu(cfg) else 0
+    dcfg_dict = draft_config_dict(dcfg)
+    t_inputs = {"features": f_key, "draft": dcfg_dict, "training": cfg.training.model_dump(mode="json"),
+                "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus}
+    t_key = hash_inputs(t_inputs)
+    t_dir = step_dir(out, "train", t_key)
+    if is_done(t_dir, t_key):
+        skipped.append("train")
+        print(f"[sft train] done already: {t_dir}", flush=True)
+    else:
+        dfile = t_dir / "draft_config" / "config.json"
+        text = json.dumps(dcfg_dict, indent=2, sort_keys=True) + "\n"
+        # SpecForge's resume contract hashes this file: rewrite only when it changed.
+        if not dfile.is_file() or dfile.read_text() != text:
+            _fsync_write(dfile, text.encode())
+        run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
+                                   out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus)
+        stats = run_train(t_dir, run, cfg, gpus)
+        _mark_done(t_dir, t_key, t_inputs, stats)
+    ckpt = Path(json.loads((t_dir / MARKER).read_text())["stats"]["checkpoint"])
+    timings["train"] = time.time() - t0
+
+    # -- export
+    t0 = time.time()
+    from .drafter import read_drafter_metadata, save_drafter
+
+    final = out / "final"
+    meta = read_drafter_metadata(final) if final.is_dir() else {}
+    if meta.get("sft_key") == t_key and meta.get("verify") is not None:
+        skipped.append("export")
+        verify = meta["verify"]
+        print(f"[sft export] done already: {final}", flush=True)
+    else:
+        model = load_specforge_checkpoint(ckpt, target_config)
+        b = get_bundle()
+        held = [p for _, p in tokenized[-cfg.sft.verify_prompts:]] if cfg.sft.verify_prompts else []
+        verify = verify_export(model, b.model, held, list(b.stop_token_ids), cfg.sft.verify_max_new_tokens)
+        print(f"[sft export] speculative decode == greedy on {verify['prompts']} prompts; tau {verify['tau']:.3f}",
+              flush=True)
+        save_drafter(model, final, metadata={"stage": "sft", "sft_key": t_key, "specforge_checkpoint": str(ckpt),
+                                             "target": tpath, "target_identity": tid, "samples": n_samples,
+                                             "verify": verify})
+        from .drafter import load_drafter
+
+        load_drafter(final, target_config=target_config)  # the export must load back through the public loader
+    timings["export"] = time.time() - t0
+
+    report = {"final": str(final), "timings_s": timings, "skipped": skipped, "verify": verify,
+              "disk_bytes": {d.name: dir_bytes(d) for d in (r_dir, f_dir, t_dir, final)}}
+    report["disk_bytes"]["total"] = dir_bytes(out)
+    _write_json(out / "sft_report.json", report)
+    print(f"[sft] done: {final} | " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items())
+          + f" | disk {report['disk_bytes']['total'] / 2**20:.1f} MiB", flush=True)
+    return final
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+# ---------------------------------------------------------------------------
+# --dry-run
+
+
+def _plan_target_config(cfg: ExperimentConfig):
+    """The target's HF config without loading weights: a local dir, the embedded target, or a Qwen3 fixture."""
+    from transformers import AutoConfig
+
+    if cfg.target.path is not None:
+        p = cfg.resolve_path(cfg.target.path)
+        if p is not None and (p / "config.json").is_file():
+            return AutoConfig.from_pretrained(str(p)), str(p)
+        m = re.search(r"qwen3-(\d+b(?:-a\d+b)?)", cfg.target.path.lower())
+        if m:
+            from . import assets
+
+            fx = assets.qwen3_fixture_dir(m.group(1))
+            return AutoConfig.from_pretrained(str(fx)), f"{cfg.target.path} (config fixture {fx})"
+        raise ConfigError(f"target.path={cfg.target.path!r} is neither a local HF directory nor a known Qwen3 size "
+                          "(dry run reads the config only)")
+    d = target_dir(cfg)
+    return AutoConfig.from_pretrained(d), d
+
+
+def estimate(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Optional[int]) -> dict:
+    """Upper-bound memory and disk estimates of the SFT stage (bytes; no weights loaded).
+
+    Sequences are assumed to fill ``data.max_prompt_tokens + sft.max_new_tokens``
+    (capped by ``target.max_context``). Features: S * n_layers * H * dtype bytes
+    per sample. Train: fp32 drafter weights + grads + Adam moments (16 B/param),
+    the frozen embedding and lm_head in the run dtype, and SpecForge's DFlash
+    logits chunk of min(num_anchors, 128) blocks * block_size * vocab fp32 (x3 for
+    softmax and its gradient).
+    """
+    t = getattr(target_config, "text_config", target_config)
+    H, V, L = int(t.hidden_size), int(t.vocab_size), int(t.num_hidden_layers)
+    dt = _DTYPE_BYTES[cfg.target.dtype]
+    S = min(cfg.target.max_context, cfg.data.max_prompt_tokens + cfg.sft.max_new_tokens)
+    n_ids = len(draft_config.dflash_config["target_layer_ids"])
+    inter = int(getattr(t, "intermediate_size", 4 * H))
+    n_experts = int(getattr(t, "num_experts", 0) or 0)
+    moe_inter = int(getattr(t, "moe_intermediate_size", 0) or 0)
+    heads, kv, hd = int(t.num_attention_heads), int(t.num_key_value_heads), int(getattr(t, "head_dim", H // t.num_attention_heads) or H // t.num_attention_heads)
+    attn = H * hd * (heads * 2 + kv * 2)
+    mlp = 3 * H * (moe_inter * n_experts if n_experts else inter)
+    target_params = L * (attn + mlp) + 2 * V * H
+    dl = draft_config.num_hidden_layers
+    d_inter = int(draft_config.intermediate_size)
+    d_attn = H * int(draft_config.head_dim) * (draft_config.num_attention_heads * 2 + draft_config.num_key_value_heads * 2)
+    draft_params = dl * (d_attn + 3 * H * d_inter) + n_ids * H * H
+    blocks = min(cfg.training.num_anchors, 128)
+    logits = blocks * draft_config.block_size * V * 4 * 3
+    per_sample = S * (n_ids * H * dt + 16)
+    n = num_prompts
+    return {
+        "target_params": target_params,
+        "target_weights_bytes": target_params * dt,
+        "drafter_params": draft_params,
+        "train_memory_bytes_per_rank": draft_params * 16 + 2 * V * H * dt + logits * cfg.training.batch_size,
+        "feature_bytes_per_sample_max": per_sample,
+        "features_disk_bytes_max": per_sample * n if n else None,
+        "responses_disk_bytes_max": S * 8 * n if n else None,
+        "max_sequence_tokens": S,
+    }
+
+
+def dry_run(cfg: ExperimentConfig) -> dict:
+    """Print every step, the draft config and the estimates; loads no weights."""
+    tconf, where = _plan_target_config(cfg)
+    mask = resolve_mask_token_id(cfg, tconf, None)
+    dcfg = make_draft_config(cfg, tconf, mask)
+    n = cfg.data.num_prompts
+    est = estimate(cfg, tconf, dcfg, n)
+    gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    out = cfg.resolve_path(cfg.output.dir)
+    print(f"SFT stage plan for {cfg.name} (dry run: no weights loaded)")
+    print(f"  target: {where}")
+    print(f"  prompts: {n if n is not None else 'the whole pool'} from {cfg.data.train_sources} "
+          f"(slices {cfg.data.slices} of {cfg.data.num_slices}); thinking={cfg.target.thinking}")
+    print(f"  1. responses -> {out}/responses-<key>/chunk_*.jsonl: backend {cfg.rollout.backend}, "
+          f"temperature {cfg.sft.temperature}, max_new_tokens {cfg.sft.max_new_tokens}, batch {cfg.sft.batch_size}; "
+          f"disk <= {gib(est['responses_disk_bytes_max'])}")
+    print(f"  2. features -> {out}/features-<key>/rows_*/data_*.ckpt: target layers "
+          f"{dcfg.dflash_config['target_layer_ids']}, <= {est['feature_bytes_per_sample_max'] / 2**20:.1f} MiB/sample, "
+          f"disk <= {gib(est['features_disk_bytes_max'])}; samples with < {MIN_SUPERVISED_TOKENS} response tokens dropped")
+    print(f"  3. train -> {out}/train-<key>/checkpoints: specforge train (dflash, {cfg.training.num_epochs} epochs, "
+          f"lr {cfg.training.learning_rate}, num_anchors {cfg.training.num_anchors}, batch {cfg.training.batch_size}); "
+          f"memory ~{gib(est['train_memory_bytes_per_rank'])} per rank; target weights {gib(est['target_weights_bytes'])}")
+    print(f"  4. export -> {out}/final (HF DFlash, SGLang-loadable), verified against greedy decoding "
+          f"on {cfg.sft.verify_prompts} prompts")
+    print("  draft config:")
+    print("    " + json.dumps(draft_config_dict(dcfg), sort_keys=True).replace(", \"", ",\n    \""))
+    print(f"  drafter params {est['drafter_params'] / 1e6:.1f}M; target params {est['target_params'] / 1e9:.2f}B")
+    return {"draft_config": draft_config_dict(dcfg), "estimate": est}
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+def cli(argv: list[str]) -> int:
+    """``specforge-opd sft -c CFG [section.field=value ...] [--dry-run] [--out DIR]``."""
+    from .cli import experiment_parser, parse_experiment
+    from .drafter import DrafterError
+
+    parser = experiment_parser("sft", "the SFT stage on SpecForge (responses, features, train, export)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, draft config and estimates; load nothing")
+    args, cfg = parse_experiment(parser, argv)
+    if args.dry_run:
+        dry_run(cfg)
+        return 0
+    try:
+        run_sft(cfg)
+    except (SFTError, DrafterError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
