@@ -1038,6 +1038,9 @@ def _plan_target_config(cfg: ExperimentConfig):
             from . import assets
 
             fx = assets.qwen3_fixture_dir(m.group(1))
+            if not (fx / "config.json").is_file():
+                raise ConfigError(f"dry run of target.path={cfg.target.path!r} needs the Qwen3 config fixture "
+                                  f"{fx}/config.json, which is missing (reinstall the package)")
             return AutoConfig.from_pretrained(str(fx)), f"{cfg.target.path} (config fixture {fx})"
         raise ConfigError(f"target.path={cfg.target.path!r} is neither a local HF directory nor a known Qwen3 size "
                           "(dry run reads the config only)")

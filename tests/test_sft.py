@@ -80,3 +80,166 @@ def test_sft_end_to_end_tiny(tmp_path, chat_render, capfd):
     report = json.loads((tmp_path / "run" / "sft_report.json").read_text())
     assert report["skipped"] == list(sft.STEPS)
     assert (final / "model.safetensors").stat().st_mtime_ns == before
+
+
+QWEN3_8B = {  # Qwen/Qwen3-8B config.json (the numbers the dry run needs)
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_dry_run_qwen3_8b_plans_without_weights(tmp_path, monkeypatch, capsys):
+    from specforge_opd import assets
+    from specforge_opd.config import load_config
+
+    real = assets.qwen3_fixture_dir("8b")
+    if not (real / "config.json").is_file():  # engineer A's fixture not there yet: the real numbers
+        (tmp_path / "8b").mkdir()
+        (tmp_path / "8b" / "config.json").write_text(json.dumps(QWEN3_8B))
+        monkeypatch.setattr(assets, "qwen3_fixture_dir", lambda size: tmp_path / size)
+    cfg = load_config("configs/qwen3-8b/sft.yaml", [f"output.dir={tmp_path / 'run'}"])
+    plan = sft.dry_run(cfg)
+    out = capsys.readouterr().out
+    for step in ("1. responses", "2. features", "3. train", "4. export", "draft config", "GiB"):
+        assert step in out
+    d = plan["draft_config"]
+    assert d["num_hidden_layers"] == 5 and d["block_size"] == 16 and d["hidden_size"] == 4096
+    # build_target_layer_ids(36, 5): start 1, end 33, evenly spaced
+    assert d["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+    est = plan["estimate"]
+    # one sample of at most 1024 + 2048 tokens, 5 layers x 4096 x bf16, plus int64 ids and mask
+    assert est["feature_bytes_per_sample_max"] == 3072 * (5 * 4096 * 2 + 16)
+    assert 7.5e9 < est["target_params"] < 8.5e9
+    assert not (tmp_path / "run").exists()  # planning writes nothing
+
+
+def test_dry_run_cli_all_gpu_configs(tmp_path, monkeypatch, capsys):
+    from specforge_opd import assets
+    from specforge_opd.cli import main
+
+    fixtures = {"8b": QWEN3_8B,
+                "4b": {**QWEN3_8B, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                       "tie_word_embeddings": True},
+                "30b-a3b": {**QWEN3_8B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                            "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                            "num_key_value_heads": 4, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                            "num_experts": 128, "num_experts_per_tok": 8}}
+    if not (assets.qwen3_fixture_dir("8b") / "config.json").is_file():
+        for k, v in fixtures.items():
+            (tmp_path / k).mkdir()
+            (tmp_path / k / "config.json").write_text(json.dumps(v))
+        monkeypatch.setattr(assets, "qwen3_fixture_dir", lambda size: tmp_path / size)
+    for size, layers in (("4b", 5), ("30b-a3b", 8)):
+        assert main(["sft", "-c", f"configs/qwen3-{size}/sft.yaml", "--dry-run", "--out", str(tmp_path / size)]) == 0
+        out = capsys.readouterr().out
+        assert f'"num_hidden_layers": {layers}' in out and '"block_size": 16' in out
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_before_train(monkeypatch):
+    def stop(*a, **k):
+        raise _Stop
+
+    monkeypatch.setattr(sft, "run_train", stop)
+
+
+def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path, chat_render, monkeypatch):
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run")
+    prompts = make_prompts(10)  # chunks of 4: 4 + 4 + 2
+    _stop_before_train(monkeypatch)
+
+    # kill during responses: the 2nd chunk's generation dies
+    real_gen = sft.generate_responses
+    calls = []
+
+    def gen(bundle_, batch, cfg_, seed, sample_ids=None):
+        calls.append(list(sample_ids))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_gen(bundle_, batch, cfg_, seed, sample_ids)
+
+    monkeypatch.setattr(sft, "generate_responses", gen)
+    with pytest.raises(KeyboardInterrupt):
+        sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    r_dir = next((tmp_path / "run").glob("responses-*"))
+    assert [f.name for f in sorted(r_dir.glob("chunk_*.jsonl"))] == ["chunk_00000.jsonl"]
+    chunk0 = (r_dir / "chunk_00000.jsonl").stat().st_mtime_ns
+
+    # kill during features: the 6th sample's forward dies
+    real_feat = sft.build_feature_sample
+    n_feat = []
+
+    def feat(*a, **k):
+        n_feat.append(1)
+        if len(n_feat) == 6:
+            raise KeyboardInterrupt
+        return real_feat(*a, **k)
+
+    calls.clear()
+    monkeypatch.setattr(sft, "generate_responses", lambda *a, **k: (calls.append(k["sample_ids"]), real_gen(*a, **k))[1])
+    monkeypatch.setattr(sft, "build_feature_sample", feat)
+    with pytest.raises(KeyboardInterrupt):
+        sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    # only chunks 1 and 2 were generated; chunk 0 was kept as written
+    assert calls == [["p4", "p5", "p6", "p7"], ["p8", "p9"]]
+    assert (r_dir / "chunk_00000.jsonl").stat().st_mtime_ns == chunk0
+    f_dir = next((tmp_path / "run").glob("features-*"))
+    first = sorted(f_dir.glob("rows_*/data_*.ckpt"))
+    assert len(first) == 5 and not (f_dir / sft.MARKER).exists()
+    mtimes = {f.name: f.stat().st_mtime_ns for f in first}
+
+    # rerun: the 5 finished samples are kept, the other 5 written, each response exactly once
+    n_feat.clear()
+    monkeypatch.setattr(sft, "build_feature_sample", lambda *a, **k: (n_feat.append(1), real_feat(*a, **k))[1])
+    with pytest.raises(_Stop):
+        sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    assert len(n_feat) == 5
+    files = sorted(f_dir.glob("rows_*/data_*.ckpt"))
+    assert [f.name for f in files] == [f"data_{i:08d}.ckpt" for i in range(10)]
+    assert all(files[i].stat().st_mtime_ns == mtimes[files[i].name] for i in range(5))
+    recs = sft.read_responses(r_dir)
+    assert [r.id for r in recs] == [f"p{i}" for i in range(10)]
+    for f, r in zip(files, recs):
+        assert torch.load(f, weights_only=True)["input_ids"].tolist() == r.prompt_ids + r.response_ids
+    # and the same responses an uninterrupted run generates (greedy, per-prompt seeding)
+    again = sft.generate_responses(bundle, [r.prompt_ids for r in recs[4:8]], cfg, seed=cfg.data.seed,
+                                   sample_ids=["p4", "p5", "p6", "p7"])
+    assert [sft._cut_at_stop(o, {STOP}, 8)[0] for o in again] == [r.response_ids for r in recs[4:8]]
+
+
+def _rec(i, prompt_len, resp_len):
+    return sft.ResponseRecord(id=f"s{i}", prompt_ids=list(range(3, 3 + prompt_len)),
+                              response_ids=list(range(10, 10 + resp_len)), finished=True)
+
+
+def test_zero_supervised_samples_dropped_with_count(tmp_path):
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run")  # max_context 64
+    recs = [_rec(0, 5, 6), _rec(1, 5, 0), _rec(2, 5, 1), _rec(3, 63, 4), _rec(4, 62, 4), _rec(5, 70, 3)]
+    # supervised tokens: 6, 0 (empty response), 1 (no two consecutive), 1 (truncated), 2, 0 (prompt fills context)
+    assert [sft.supervised_tokens(r, 64) for r in recs] == [6, 0, 1, 1, 2, 0]
+    f_dir = tmp_path / "feat"
+    with pytest.warns(UserWarning, match="dropped 4 of 6 samples"):
+        stats = sft.run_features(f_dir, recs, lambda: bundle.model, [2], cfg)
+    assert stats["samples"] == 2 and stats["dropped"] == 4 and stats["supervised_tokens"] == 8
+    assert stats["dropped_ids"] == ["s1", "s2", "s3", "s5"]
+    files = sorted(f_dir.glob("rows_*/data_*.ckpt"))
+    masks = [torch.load(f, weights_only=True)["loss_mask"] for f in files]
+    assert [int(m.sum()) for m in masks] == [6, 2]
+    assert len(masks[1]) == 64  # truncated to target.max_context, the 2 response tokens that fit
+
+
+def test_no_supervised_samples_left_is_an_error(tmp_path):
+    cfg = tiny_cfg(tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(sft.SFTError, match="none of 2 samples"):
+            sft.run_features(tmp_path / "feat", [_rec(0, 4, 0), _rec(1, 4, 1)], lambda: None, [2], cfg)
+    assert not list((tmp_path / "feat").glob("rows_*/*.ckpt"))
