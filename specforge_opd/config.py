@@ -193,6 +193,17 @@ class SGLangConfig(Section):
     request_timeout_s: float = Field(default=120.0, gt=0)
     max_in_flight: int = Field(default=64, gt=0)
     extra_args: List[str] = Field(default_factory=list)
+    #: Module run as ``python -m MODULE`` (the test stand-in replaces SGLang's own).
+    launch_module: str = "sglang.launch_server"
+    #: Port of a launched server; None picks a free one on 127.0.0.1.
+    port: Optional[int] = Field(default=None, gt=0, lt=65536)
+    #: Retries per request on a transient error (connection refused, timeout, HTTP 5xx).
+    max_retries: int = Field(default=4, ge=0)
+    backoff_s: float = Field(default=0.5, ge=0.0)
+    #: Restart a launched server once if it dies mid-run.
+    restart_on_death: bool = True
+    #: Server log file; None = <output.dir>/sglang_server.log.
+    log_file: Optional[str] = None
 
 
 class OutputConfig(Section):

@@ -1,0 +1,360 @@
+"""The HTTP contract with SGLang: every request and response field both modes use.
+
+Read from SGLang's ``/generate`` API (``GenerateReqInput`` and the ``meta_info``
+the tokenizer manager returns) and its DFLASH worker (``speculative/dflash_info.py``:
+``DFlashVerifyInput.verify``), on the main-branch sources after 0.5.23; the GPU
+check scripts (``scripts/gpu_check_sglang*.sh``) confirm the parts a CPU cannot.
+
+Verify mode, one verify step of block m at anchor a (DESIGN.md section 3):
+
+* request ``input_ids`` = the sequence up to and including slot 0 (positions 0..a)
+  followed by the drafted tokens d_1..d_{bs-1}; ``sampling_params`` greedy, one new
+  token; ``return_logprob`` with ``logprob_start_len = a`` and ``top_logprobs_num = k``;
+  ``return_hidden_states`` when features are wanted (server flags
+  ``--enable-return-hidden-states --enable-return-aux-hidden-states
+  --return-aux-hidden-state-layer-ids``).
+* response ``meta_info.input_token_logprobs[j]`` = [logprob, token id, text] of the
+  input token at position a + j given the positions before it, so entry k (k >= 1)
+  is log p(d_k | slot 0, d_<k): the teacher's draft log-prob. ``input_top_logprobs[k]``
+  is the teacher's top-k at drafted slot k; entry 0 (position a) is not used.
+  ``output_ids[0]`` is the target's argmax after the last drafted token.
+* ``meta_info.cached_tokens`` = c, the prefix served from SGLang's radix cache: its
+  positions are not recomputed, so ``meta_info.hidden_states[0]`` holds rows for
+  positions c..len-1 only. SGLang caps the reused prefix at ``logprob_start_len``,
+  so c <= a and the accepted positions a..a+r_m always come back.
+
+Native mode: a plain ``/generate`` to a server running DFLASH with the plugin of
+``specforge_opd.sglang.native``; ``meta_info.customized_info`` carries one entry per
+verify step (see ``NATIVE_STEP_FIELDS``), ``meta_info.spec_verify_ct`` the step count.
+
+Every parse function raises ``ContractError`` naming the field and the server version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+#: The SGLang release the contract was read from (older ones lack DFLASH or aux hidden states).
+MIN_SGLANG_VERSION = "0.5.23"
+
+#: Keys the native plugin writes per verify step into ``customized_info``.
+NATIVE_STEP_FIELDS = ("opd_anchor", "opd_draft", "opd_accepted", "opd_draft_logprob")
+
+
+class ContractError(ValueError):
+    """A request or response breaks the contract; names the field, the problem and the server version."""
+
+    def __init__(self, field: str, problem: str, server_version: Optional[str] = None):
+        self.field = field
+        self.server_version = server_version
+        ver = server_version or "unknown"
+        super().__init__(
+            f"SGLang response field `{field}`: {problem} (server version {ver}; the contract was read from "
+            f"SGLang >= {MIN_SGLANG_VERSION}, see specforge_opd/sglang/contract.py)"
+        )
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    """``"0.5.23.post1"`` -> (0, 5, 23); non-numeric parts end the tuple."""
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits or digits != part[: len(digits)]:
+            if digits:
+                out.append(int(digits))
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def server_layer_ids(target_layer_ids: list[int]) -> list[int]:
+    """Ids to pass to ``--return-aux-hidden-state-layer-ids`` for our ``target_layer_ids``.
+
+    Our layer k is the output of decoder layer k (HF ``hidden_states[k + 1]``);
+    SGLang's capture loop records the residual stream *before* layer i, so the
+    output of layer k is captured at i = k + 1 (SGLang PR #25454 discusses the same
+    offset for EAGLE3). The last decoder layer's output cannot be captured this way.
+    """
+    return [int(k) + 1 for k in target_layer_ids]
+
+
+# ---------------------------------------------------------------------------
+# requests
+
+
+def prefill_request(prompt_ids: list[int], *, want_hidden: bool) -> dict:
+    """The first request of a sequence: the prompt, one greedy token, features of the prompt.
+
+    ``return_logprob`` with ``logprob_start_len = 0`` keeps SGLang from serving any
+    prefix from its radix cache (another sequence may share the prompt), so the
+    hidden states of every prompt position come back.
+    """
+    return {
+        "input_ids": [int(t) for t in prompt_ids],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 0,
+        "return_hidden_states": bool(want_hidden),
+    }
+
+
+def verify_request(seq_ids: list[int], drafts: list[int], *, top_k: int, want_hidden: bool) -> dict:
+    """One verify step: ``seq_ids`` ends with slot 0 (at anchor len(seq_ids)-1), then the drafts."""
+    anchor = len(seq_ids) - 1
+    return {
+        "input_ids": [int(t) for t in seq_ids] + [int(t) for t in drafts],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": anchor,
+        "top_logprobs_num": int(top_k),
+        "return_hidden_states": bool(want_hidden),
+    }
+
+
+def native_request(prompt_ids: list[int], *, max_new_tokens: int, temperature: float, stop_token_ids: list[int]) -> dict:
+    """A native-mode request: SGLang decodes with DFLASH and the plugin reports every verify step."""
+    return {
+        "input_ids": [int(t) for t in prompt_ids],
+        "sampling_params": {
+            "max_new_tokens": int(max_new_tokens),
+            "temperature": float(temperature),
+            "stop_token_ids": [int(t) for t in stop_token_ids],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------
+# responses
+
+
+@dataclass
+class GenerateResponse:
+    """A checked verify-mode response.
+
+    Attributes:
+        output_id: the target's greedy token after the last input position.
+        token_logprobs: float32 [L] log-prob of input positions start..n-1 (entry 0 may be nan).
+        top_ids: int64 [L, k], top_logprobs: float32 [L, k] (None without ``return_logprob``).
+        cached_tokens: prefix length served from the radix cache.
+        hidden_rows: float32 [n - cached_tokens, feature_dim] or None.
+    """
+
+    output_id: int
+    cached_tokens: int
+    token_logprobs: Optional[torch.Tensor] = None
+    top_ids: Optional[torch.Tensor] = None
+    top_logprobs: Optional[torch.Tensor] = None
+    hidden_rows: Optional[torch.Tensor] = None
+
+
+def _meta(payload: Any, version: Optional[str]) -> dict:
+    if isinstance(payload, list):
+        if len(payload) != 1:
+            raise ContractError("<body>", f"expected one result, got a list of {len(payload)}", version)
+        payload = payload[0]
+    if not isinstance(payload, dict):
+        raise ContractError("<body>", f"expected a JSON object, got {type(payload).__name__}", version)
+    meta = payload.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ContractError("meta_info", "missing or not an object", version)
+    return meta
+
+
+def _int(meta: dict, key: str, version: Optional[str], default: Optional[int] = None) -> int:
+    v = meta.get(key, default)
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise ContractError(f"meta_info.{key}", f"expected an integer, got {v!r}", version)
+    return int(v)
+
+
+def _output_id(payload: dict, meta: dict, version: Optional[str]) -> int:
+    out = payload.get("output_ids")
+    if isinstance(out, list) and out:
+        return int(out[0])
+    otl = meta.get("output_token_logprobs")
+    if isinstance(otl, list) and otl and isinstance(otl[0], (list, tuple)) and len(otl[0]) >= 2:
+        return int(otl[0][1])
+    raise ContractError("output_ids", "missing or empty (start SGLang with --skip-tokenizer-init or request return_logprob)", version)
+
+
+def _entry(e: Any, field: str, version: Optional[str]) -> tuple[float, int]:
+    if not isinstance(e, (list, tuple)) or len(e) < 2:
+        raise ContractError(field, f"expected [logprob, token_id, text], got {e!r}", version)
+    lp = float("nan") if e[0] is None else float(e[0])
+    return lp, int(e[1])
+
+
+def parse_generate_response(
+    payload: Any,
+    *,
+    n_input: int,
+    logprob_start_len: Optional[int],
+    top_k: int,
+    feature_dim: Optional[int],
+    server_version: Optional[str] = None,
+) -> GenerateResponse:
+    """Check and convert a ``/generate`` response of ``prefill_request`` or ``verify_request``.
+
+    Args:
+        n_input: number of input ids sent.
+        logprob_start_len: as sent (None: no logprobs requested).
+        top_k: ``top_logprobs_num`` as sent.
+        feature_dim: n_layers * hidden when hidden states were requested, else None.
+
+    Raises:
+        ContractError: a missing field, a wrong length or width, a non-finite value.
+    """
+    v = server_version
+    if isinstance(payload, list) and len(payload) == 1:
+        payload = payload[0]
+    meta = _meta(payload, v)
+    out = GenerateResponse(output_id=_output_id(payload, meta, v), cached_tokens=_int(meta, "cached_tokens", v, 0))
+    if not 0 <= out.cached_tokens < n_input:
+        raise ContractError("meta_info.cached_tokens", f"{out.cached_tokens} outside 0..{n_input - 1}", v)
+    if logprob_start_len is not None:
+        L = n_input - logprob_start_len
+        if out.cached_tokens > logprob_start_len:
+            raise ContractError(
+                "meta_info.cached_tokens",
+                f"{out.cached_tokens} > logprob_start_len {logprob_start_len}: the server reused a prefix past the "
+                "positions whose log-probs were requested",
+                v,
+            )
+        itl = meta.get("input_token_logprobs")
+        if not isinstance(itl, list) or len(itl) != L:
+            got = len(itl) if isinstance(itl, list) else type(itl).__name__
+            raise ContractError("meta_info.input_token_logprobs", f"expected {L} entries (positions {logprob_start_len}..{n_input - 1}), got {got}", v)
+        itp = meta.get("input_top_logprobs") if top_k > 0 else [[] for _ in range(L)]
+        if not isinstance(itp, list) or len(itp) != L:
+            got = len(itp) if isinstance(itp, list) else type(itp).__name__
+            raise ContractError("meta_info.input_top_logprobs", f"expected {L} entries, got {got}", v)
+        lps, ids, tops = [], [], []
+        for j, (e, row) in enumerate(zip(itl, itp)):
+            lp, _tok = _entry(e, f"meta_info.input_token_logprobs[{j}]", v)
+            lps.append(lp)
+            if j == 0 and not row:
+                # position logprob_start_len itself: SGLang may omit it; it is never used
+                ids.append([0] * top_k)
+                tops.append([float("nan")] * top_k)
+                continue
+            if not isinstance(row, list) or len(row) != top_k:
+                got = len(row) if isinstance(row, list) else row
+                raise ContractError(f"meta_info.input_top_logprobs[{j}]", f"expected {top_k} entries (top_logprobs_num), got {got!r}", v)
+            pairs = [_entry(x, f"meta_info.input_top_logprobs[{j}]", v) for x in row]
+            ids.append([p[1] for p in pairs])
+            tops.append([p[0] for p in pairs])
+        out.token_logprobs = torch.tensor(lps, dtype=torch.float32)
+        out.top_ids = torch.tensor(ids, dtype=torch.int64)
+        out.top_logprobs = torch.tensor(tops, dtype=torch.float32)
+        body = out.top_logprobs[1:]
+        if body.numel() and not torch.isfinite(body).all():
+            raise ContractError("meta_info.input_top_logprobs", "non-finite log-probs at drafted slots", v)
+        if top_k > 0 and L > 1 and not torch.isfinite(out.token_logprobs[1:]).all():
+            raise ContractError("meta_info.input_token_logprobs", "non-finite log-probs at drafted slots", v)
+    if feature_dim is not None:
+        hs = meta.get("hidden_states")
+        if not isinstance(hs, list) or not hs:
+            raise ContractError("meta_info.hidden_states", "missing (start SGLang with --enable-return-hidden-states and --enable-return-aux-hidden-states)", v)
+        rows = hs[0]
+        n_rows = n_input - out.cached_tokens
+        try:
+            t = torch.tensor(rows, dtype=torch.float32)
+        except (TypeError, ValueError) as e:
+            raise ContractError("meta_info.hidden_states[0]", f"not a numeric matrix ({e})", v) from None
+        if t.dim() != 2 or tuple(t.shape) != (n_rows, feature_dim):
+            raise ContractError(
+                "meta_info.hidden_states[0]",
+                f"shape {tuple(t.shape)} != [input {n_input} - cached {out.cached_tokens} = {n_rows}, "
+                f"n_layers * hidden = {feature_dim}] (check --return-aux-hidden-state-layer-ids)",
+                v,
+            )
+        if not torch.isfinite(t).all():
+            raise ContractError("meta_info.hidden_states[0]", "non-finite values", v)
+        out.hidden_rows = t
+    return out
+
+
+@dataclass
+class NativeStep:
+    """One verify step as the native plugin reports it (SGLang's own DFLASH decoding)."""
+
+    anchor: int
+    draft: list[int]
+    accepted: int
+    draft_logprob: Optional[list[float]]
+
+
+@dataclass
+class NativeResponse:
+    output_ids: list[int]
+    steps: list[NativeStep]
+    finish_reason: Optional[str]
+    spec_verify_ct: int
+
+
+def parse_native_response(payload: Any, *, block_size: int, server_version: Optional[str] = None) -> NativeResponse:
+    """Check a native-mode response: ``output_ids`` and one ``customized_info`` entry per verify step.
+
+    ``meta_info.customized_info[key]`` is a list with one entry per verify step for
+    each key of ``NATIVE_STEP_FIELDS``; entries may arrive JSON-encoded (strings).
+
+    Raises:
+        ContractError: missing plugin fields (the server runs without the plugin),
+            lengths that disagree with ``spec_verify_ct``, drafts of the wrong width.
+    """
+    v = server_version
+    if isinstance(payload, list) and len(payload) == 1:
+        payload = payload[0]
+    meta = _meta(payload, v)
+    out_ids = payload.get("output_ids")
+    if not isinstance(out_ids, list):
+        raise ContractError("output_ids", "missing (start SGLang with --skip-tokenizer-init)", v)
+    n_steps = _int(meta, "spec_verify_ct", v)
+    ci = meta.get("customized_info")
+    if not isinstance(ci, dict):
+        raise ContractError(
+            "meta_info.customized_info",
+            "missing: the server does not run the specforge_opd native plugin (install specforge-opd in SGLang's "
+            "environment; SGLANG_PLUGINS must allow `specforge_opd_native`)",
+            v,
+        )
+    cols = {}
+    for key in NATIVE_STEP_FIELDS:
+        col = ci.get(key)
+        if key == "opd_draft_logprob" and col is None:
+            cols[key] = [None] * n_steps
+            continue
+        if not isinstance(col, list):
+            raise ContractError(f"meta_info.customized_info.{key}", f"missing or not a list (got {type(col).__name__})", v)
+        col = [json.loads(x) if isinstance(x, str) else x for x in col]
+        if len(col) != n_steps:
+            raise ContractError(f"meta_info.customized_info.{key}", f"{len(col)} entries != spec_verify_ct {n_steps}", v)
+        cols[key] = col
+    steps = []
+    for i in range(n_steps):
+        draft = cols["opd_draft"][i]
+        if not isinstance(draft, list) or len(draft) != block_size - 1:
+            raise ContractError(f"meta_info.customized_info.opd_draft[{i}]", f"expected {block_size - 1} tokens (block_size - 1), got {draft!r}", v)
+        lp = cols["opd_draft_logprob"][i]
+        if lp is not None and (not isinstance(lp, list) or len(lp) != block_size - 1 or not all(math.isfinite(float(x)) for x in lp)):
+            raise ContractError(f"meta_info.customized_info.opd_draft_logprob[{i}]", f"expected {block_size - 1} finite floats, got {lp!r}", v)
+        acc = cols["opd_accepted"][i]
+        if not isinstance(acc, int) or not 0 <= acc <= block_size - 1:
+            raise ContractError(f"meta_info.customized_info.opd_accepted[{i}]", f"expected an integer in 0..{block_size - 1}, got {acc!r}", v)
+        steps.append(NativeStep(int(cols["opd_anchor"][i]), [int(t) for t in draft], acc, None if lp is None else [float(x) for x in lp]))
+    fr = meta.get("finish_reason")
+    reason = fr.get("type") if isinstance(fr, dict) else (fr if isinstance(fr, str) else None)
+    return NativeResponse([int(t) for t in out_ids], steps, reason, n_steps)
+
+
+def parse_server_info(payload: Any) -> str:
+    """The server version from ``/get_server_info`` (``version``); "unknown" when absent."""
+    if isinstance(payload, dict) and isinstance(payload.get("version"), str):
+        return payload["version"]
+    return "unknown"

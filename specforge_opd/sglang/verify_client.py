@@ -1,0 +1,214 @@
+"""Verify mode: our process drafts, a stock SGLang server verifies over HTTP (DESIGN.md section 5).
+
+Each request carries the whole sequence, so a request is stateless: a server that
+dies and restarts loses nothing but the KV cache, and in-flight sequences resume
+with the retry. Many sequences are in flight at once (asyncio, ``sglang.max_in_flight``);
+transient errors (connection refused or reset, timeouts, HTTP 5xx/429) are retried
+with exponential backoff (``sglang.max_retries``, ``sglang.backoff_s``), a launched
+server that died is restarted once. Everything else (HTTP 4xx, a malformed
+response) fails at once with the field named (``contract.ContractError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Iterable, Optional
+
+import aiohttp
+import torch
+
+from ..config import SGLangConfig
+from ..records import RolloutRecord
+from .contract import ContractError, parse_generate_response, prefill_request, verify_request
+from .launcher import Endpoints, ServerError
+from .speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class TransientError(RuntimeError):
+    pass
+
+
+class HTTPClient:
+    """POSTs JSON to one of ``endpoints`` with retries, backoff and a per-request timeout."""
+
+    def __init__(self, endpoints: Endpoints, cfg: SGLangConfig):
+        self.endpoints = endpoints
+        self.cfg = cfg
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._restart_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> "HTTPClient":
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def post(self, server: int, path: str, body: dict) -> dict:
+        """POST ``body`` to server ``server`` (round-robin index); returns the decoded JSON.
+
+        Raises:
+            ServerError: retries exhausted, or the launched server died twice.
+            ContractError: a 4xx answer or a body that is not JSON.
+        """
+        assert self._session is not None, "use `async with HTTPClient(...)`"
+        delay = self.cfg.backoff_s
+        last = None
+        for attempt in range(self.cfg.max_retries + 1):
+            url = self.endpoints.url(server) + path
+            try:
+                async with self._session.post(url, json=body) as resp:
+                    text = await resp.text()
+                    if resp.status in _RETRY_STATUS:
+                        raise TransientError(f"HTTP {resp.status}: {text[:200]}")
+                    if resp.status >= 400:
+                        raise ContractError("<status>", f"HTTP {resp.status} from {url}: {text[:500]}", self.endpoints.version)
+                    try:
+                        import json
+
+                        return json.loads(text)
+                    except ValueError:
+                        raise ContractError("<body>", f"not JSON: {text[:200]!r}", self.endpoints.version) from None
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, TransientError) as e:
+                last = e
+                log.warning("SGLang request to %s failed (%s: %s), attempt %d/%d", url, type(e).__name__, e, attempt + 1, self.cfg.max_retries + 1)
+                if attempt == self.cfg.max_retries:
+                    break
+                async with self._restart_lock:
+                    # restart in a thread: it blocks on /health for up to startup_timeout_s
+                    ok = await asyncio.get_running_loop().run_in_executor(None, self.endpoints.recover, server)
+                if not ok:
+                    raise ServerError(f"SGLang server {url} died and was already restarted once; rerun the command to resume (written shards are kept)") from e
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise ServerError(
+            f"SGLang server {self.endpoints.url(server)}: {self.cfg.max_retries + 1} attempts failed "
+            f"(last: {type(last).__name__}: {last}); raise sglang.request_timeout_s or sglang.max_retries"
+        )
+
+
+class HTTPTarget:
+    """The target side of ``speculate_sequence`` over SGLang's ``/generate`` (see ``contract``)."""
+
+    def __init__(self, client: HTTPClient, server: int, *, top_k: int, feature_dim: Optional[int]):
+        self.client = client
+        self.server = server
+        self.top_k = max(1, int(top_k))
+        self.feature_dim = feature_dim
+
+    async def prefill(self, prompt_ids: list[int]) -> PrefillResult:
+        body = prefill_request(prompt_ids, want_hidden=self.feature_dim is not None)
+        payload = await self.client.post(self.server, "/generate", body)
+        r = parse_generate_response(
+            payload, n_input=len(prompt_ids), logprob_start_len=body["logprob_start_len"], top_k=0,
+            feature_dim=self.feature_dim, server_version=self.client.endpoints.version,
+        )
+        if r.hidden_rows is not None and r.cached_tokens:
+            raise ContractError("meta_info.cached_tokens", f"{r.cached_tokens} on a prefill with logprob_start_len=0", self.client.endpoints.version)
+        return PrefillResult(r.output_id, r.hidden_rows)
+
+    async def verify(self, seq_ids: list[int], drafts: list[int]) -> VerifyResult:
+        a = len(seq_ids) - 1
+        body = verify_request(seq_ids, drafts, top_k=self.top_k, want_hidden=self.feature_dim is not None)
+        n = len(body["input_ids"])
+        payload = await self.client.post(self.server, "/generate", body)
+        r = parse_generate_response(
+            payload, n_input=n, logprob_start_len=a, top_k=self.top_k,
+            feature_dim=self.feature_dim, server_version=self.client.endpoints.version,
+        )
+        # entry j >= 1 of the logprob lists is position a + j, i.e. drafted slot j
+        predicted = torch.cat([r.top_ids[1:, 0], torch.tensor([r.output_id])])
+        rows = None
+        if r.hidden_rows is not None:
+            # rows start at the first uncached position c <= a; keep positions a..n-1
+            rows = r.hidden_rows[a - r.cached_tokens :]
+        return VerifyResult(
+            predicted=predicted.long(),
+            draft_logprob=r.token_logprobs[1:],
+            top_ids=r.top_ids[1:],
+            top_logprobs=r.top_logprobs[1:],
+            rows=rows,
+        )
+
+
+async def verify_rollout_async(
+    endpoints: Endpoints,
+    drafter: Drafter,
+    prompts: list[tuple[str, list[int]]],
+    *,
+    sglang_cfg: SGLangConfig,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    teacher: str,
+    teacher_topk: int,
+    feature_dim: int,
+    drafter_step: int = 0,
+    progress: Optional[Callable[[int], None]] = None,
+) -> list[RolloutRecord]:
+    """Roll out ``prompts`` [(sample_id, prompt ids)] concurrently; records in prompt order."""
+    sem = asyncio.Semaphore(sglang_cfg.max_in_flight)
+    async with HTTPClient(endpoints, sglang_cfg) as client:
+
+        async def one(i: int, sid: str, ids: list[int]) -> RolloutRecord:
+            async with sem:
+                target = HTTPTarget(client, i, top_k=teacher_topk, feature_dim=feature_dim)
+                rec = await speculate_sequence(
+                    target, drafter, ids, sample_id=sid, max_new_tokens=max_new_tokens,
+                    stop_token_ids=stop_token_ids, teacher=teacher, store_features=True, drafter_step=drafter_step,
+                )
+                if progress is not None:
+                    progress(1)
+                return rec
+
+        return list(await asyncio.gather(*(one(i, sid, ids) for i, (sid, ids) in enumerate(prompts))))
+
+
+def check_verify_settings(temperature: float, teacher: str, feature_source: str) -> None:
+    """Raise ``ValueError`` naming the field for a setting verify mode cannot honour."""
+    if temperature != 0.0:
+        raise ValueError(
+            f"rollout.temperature={temperature}: SGLang verify mode is greedy only (the server returns top-k log-probs, "
+            "not the full distribution to sample from); set rollout.temperature=0 or use rollout.backend=embedded"
+        )
+    if teacher == "full" and feature_source != "target":
+        raise ValueError(
+            "rollout.teacher=full: SGLang's verify response carries log-probs, not the target's final hidden states; "
+            "use rollout.teacher=topk or token, or training.feature_source=target (the trainer recomputes it)"
+        )
+
+
+def verify_rollout_to_shards(
+    endpoints: Endpoints,
+    drafter: Drafter,
+    prompts: list[tuple[str, list[int]]],
+    *,
+    sglang_cfg: SGLangConfig,
+    sequences_per_shard: int,
+    write_shard: Callable[[list[RolloutRecord]], object],
+    done_ids: Iterable[str] = (),
+    **kw,
+) -> int:
+    """Roll out the prompts not in ``done_ids``, ``sequences_per_shard`` at a time, writing each group.
+
+    ``write_shard`` must be atomic (``shards.ShardWriter.write``); a crash keeps every
+    shard written before it, and passing the written sample ids as ``done_ids``
+    resumes. Returns the number of sequences rolled out.
+    """
+    from tqdm import tqdm
+
+    done = set(done_ids)
+    todo = [(sid, ids) for sid, ids in prompts if sid not in done]
+    n = 0
+    with tqdm(total=len(todo), desc="rollout (SGLang verify)", unit="seq") as bar:
+        for start in range(0, len(todo), sequences_per_shard):
+            group = todo[start : start + sequences_per_shard]
+            recs = asyncio.run(verify_rollout_async(endpoints, drafter, group, sglang_cfg=sglang_cfg, progress=bar.update, **kw))
+            write_shard(recs)
+            n += len(recs)
+    return n
