@@ -234,3 +234,34 @@ def test_second_death_is_a_clear_error(tiny_target_dir, tmp_path):
                     stop_token_ids=STOPS, teacher="token", teacher_topk=1, feature_dim=len(LAYERS) * 64,
                 )
             )
+
+
+def test_verify_mode_equals_engine_B_speculative_engine():
+    """The same rollout through HTTP (verify mode) and through ``rollout.SpeculativeEngine`` (in-process,
+    KV-cached, batched): tokens, anchors, drafts, accepted counts exactly; features and teacher to 1e-4."""
+    rollout = pytest.importorskip("specforge_opd.rollout")
+    from specforge_opd.config import RolloutConfig
+
+    target = make_tiny_target()
+    dm = make_tiny_drafter(target, block_size=BS, layers=1)
+    layers = [int(i) for i in dm.config.dflash_config["target_layer_ids"]]
+    rcfg = RolloutConfig(max_new_tokens=10, temperature=0.0, teacher="topk", teacher_topk=5, store_features=True)
+    engine = rollout.SpeculativeEngine(target, dm, rcfg, stop_token_ids=STOPS, mask_token_id=96)
+    ref = engine.generate([ids for _, ids in PROMPTS], sample_ids=[sid for sid, _ in PROMPTS])
+    drafter = Drafter(dm, target.get_input_embeddings(), target.get_output_embeddings())
+    backend = StandinBackend(target, aux_layer_ids=server_layer_ids(layers))
+    with ThreadedStandin(make_app(backend)) as srv:
+        ep = Endpoints([srv.url], version="0.5.23-standin")
+        recs = asyncio.run(
+            verify_rollout_async(ep, drafter, PROMPTS, sglang_cfg=_cfg(), max_new_tokens=10, stop_token_ids=STOPS,
+                                 teacher="topk", teacher_topk=5, feature_dim=len(layers) * 64)
+        )
+    for h, e in zip(recs, ref):
+        assert h.sample_id == e.sample_id
+        assert torch.equal(h.input_ids, e.input_ids)
+        assert torch.equal(h.anchors, e.anchors) and torch.equal(h.drafts, e.drafts) and torch.equal(h.accepted, e.accepted)
+        assert torch.allclose(h.features, e.features.float(), atol=1e-4)
+        assert torch.allclose(h.teacher_draft_logprob, e.teacher_draft_logprob.float(), atol=1e-4)
+        if e.teacher_topk_ids is not None:
+            assert torch.equal(h.teacher_topk_ids, e.teacher_topk_ids)
+            assert torch.allclose(h.teacher_topk_logprobs, e.teacher_topk_logprobs.float(), atol=1e-4)
