@@ -140,6 +140,13 @@ class TrainingConfig(Section):
 
 
 class SFTConfig(Section):
+    #: OPD trainer: save a resumable checkpoint every this many optimizer steps (and at the end).
+    checkpoint_interval: int = Field(default=50, gt=0)
+    #: OPD trainer: "auto" = bf16 params/compute on GPUs (fp32 master weights and
+    #: gradient reduction), fp32 on CPUs.
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    #: OPD trainer: reshuffle the records every epoch (seeded by training.seed + epoch).
+    shuffle: bool = True
     """The SFT stage (``specforge_opd.sft``)."""
 
     #: Generate responses greedily (temperature 0) or sampled.
