@@ -330,11 +330,13 @@ def chunk_kl_terms(
         (loss, acc_kl_sum, rej_wkl_sum): 0-dim float32; ``loss = sum coef * KL``
         carries the gradient; the two sums (detached) feed the L_acc / L_rej metrics.
     """
-    w = lm_head_weight.float()
-    logits = student_hidden.float() @ w.t()
+    # The matmul runs in the lm_head's dtype (no fp32 copy of a 151936-row
+    # weight per chunk); the KL itself is fp32.
+    w = lm_head_weight
+    logits = (student_hidden.to(w.dtype) @ w.t()).float()
     if teacher_hidden is not None:
         with torch.no_grad():
-            teacher_logits = teacher_hidden.float() @ w.t()
+            teacher_logits = (teacher_hidden.to(w.dtype) @ w.t()).float()
         kl = kl_full(logits, teacher_logits, reverse)
     elif topk_ids is not None:
         kl = kl_topk(logits, topk_ids, topk_logprobs, draft_ids, draft_logprob, reverse)
