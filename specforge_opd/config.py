@@ -187,6 +187,13 @@ class EvalConfig(Section):
     batch_size: int = Field(default=1, gt=0)
     #: Measure wall-clock speedup by live decoding as well (slow on a CPU).
     speedup: bool = True
+    #: Prompts per dataset used for the speedup measurement (None = all evaluated prompts).
+    speedup_num_prompts: Optional[int] = Field(default=None, gt=0)
+    #: auto: exact offline replay at temperature 0, live decoding at T > 0; live: always decode live.
+    mode: Literal["auto", "offline", "live"] = "auto"
+    #: Cache of the target's greedy trajectories and features (None = <output.dir>/trajectory_cache).
+    #: Share one across evaluations of the same target to pay for the target once.
+    cache_dir: Optional[str] = None
 
 
 class SGLangConfig(Section):
