@@ -686,6 +686,27 @@ def _resolve_state_file(path: Path) -> Path:
         raise DrafterError(f"{path}: no SpecForge checkpoint ({state_file}, a -step<N> dir or a -latest link): {e}")
 
 
+def recorded_draft_config(state: dict) -> Optional[dict]:
+    """The draft config.json a SpecForge checkpoint was trained with, if still on disk unchanged.
+
+    SpecForge records ``("file-stat-v2", path, ("sha256", "", size, digest))``
+    under ``specforge_model_provenance["draft_config"]``; the file is trusted
+    only when its sha256 still matches. Returns the parsed JSON or None.
+    """
+    try:
+        rec = dict(state.get("specforge_model_provenance") or ()).get("draft_config")
+        _kind, fpath, (algo, _name, _size, digest) = rec
+        data = Path(fpath).read_bytes()
+    except (TypeError, ValueError, OSError):
+        return None
+    if algo != "sha256" or hashlib.sha256(data).hexdigest() != digest:
+        return None
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError:
+        return None
+
+
 def load_specforge_checkpoint(path: str | os.PathLike, target_config, attention_backend: str = "sdpa"):
     """Load the drafter of a SpecForge DFlash checkpoint without unpickling code.
 
@@ -727,6 +748,20 @@ def load_specforge_checkpoint(path: str | os.PathLike, target_config, attention_
     if fc is not None and fc.shape[0] != t.hidden_size:
         raise DrafterError(f"drafter {state_path} does not fit the target: hidden size {fc.shape[0]} != target "
                            f"{t.hidden_size}")
+    # The drafter borrows the target's embedding and lm_head, so its weights do not
+    # show the vocabulary; the draft config it was trained with does.
+    recorded = recorded_draft_config(state)
+    if recorded is None:
+        warnings.warn(f"{state_path}: its draft config.json is gone or changed; the vocabulary it was trained "
+                      "for cannot be checked against the target", stacklevel=2)
+    else:
+        problems = [f"{k} {recorded[k]} != target {getattr(t, k)}" for k in ("vocab_size", "hidden_size")
+                    if k in recorded and recorded[k] != getattr(t, k)]
+        n = recorded.get("num_target_layers")
+        if n is not None and n != t.num_hidden_layers:
+            problems.append(f"num_target_layers {n} != target's {t.num_hidden_layers} layers")
+        if problems:
+            raise DrafterError(f"drafter {state_path} does not fit the target: " + "; ".join(problems))
     gate = weights.get("layers.0.mlp.gate_proj.weight")
     try:
         dcfg = derive_draft_config(
