@@ -339,8 +339,9 @@ def offline_tau(drafter, target_model, trajectories: list[Trajectory], sample_id
 def _rollout_config(cfg: ExperimentConfig, *, temperature: float, seed: int, max_new_tokens: int):
     # eval decodes like the rollout engine but stores nothing it does not need
     return cfg.rollout.model_copy(
+        # teacher "full" keeps the verify pass's hidden states (no extra vocab-wide work)
         update=dict(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, batch_size=cfg.eval.batch_size,
-                    store_features=False, teacher="token", anchors="real")
+                    store_features=False, teacher="full", anchors="real")
     )
 
 
@@ -355,8 +356,14 @@ def live_decode(cfg: ExperimentConfig, target_model, drafter, prompts: list[list
     except ImportError as e:
         raise EvalError(f"live decoding needs specforge_opd.rollout.SpeculativeEngine ({e}); use eval.mode=offline at temperature 0") from e
     rcfg = _rollout_config(cfg, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens or cfg.eval.max_new_tokens)
-    engine = SpeculativeEngine(target_model, drafter, rcfg, stop_token_ids=list(stop_token_ids), mask_token_id=drafter_mask_token_id(drafter))
-    return engine.generate(prompts, sample_ids=sample_ids)
+    engine = SpeculativeEngine(target_model, drafter, rcfg, stop_token_ids=list(stop_token_ids), mask_token_id=drafter_mask_token_id(drafter),
+                               max_context=cfg.target.max_context, too_long=cfg.target.too_long)
+    records = []
+    bsz = cfg.eval.batch_size
+    sample_ids = sample_ids or [str(i) for i in range(len(prompts))]
+    for i in range(0, len(prompts), bsz):
+        records += engine.generate(prompts[i : i + bsz], sample_ids=sample_ids[i : i + bsz])
+    return records
 
 
 def measure_speedup(cfg: ExperimentConfig, target_model, drafter, prompts: list[list[int]], *, stop_token_ids) -> dict:
@@ -444,24 +451,32 @@ def _prompt_token_ids(cfg: ExperimentConfig, tokenizer, records) -> tuple[list[l
     return out, ids, skipped
 
 
+def check_dataset_names(cfg: ExperimentConfig) -> None:
+    """Raise EvalError for an empty or unknown ``eval.datasets`` (listing the known names); loads nothing."""
+    from . import prompts as P
+
+    known = list(P.KNOWN_EVAL_SETS)
+    if not cfg.eval.datasets:
+        raise EvalError("eval.datasets is empty; name at least one of: " + ", ".join(known))
+    unknown = [d for d in cfg.eval.datasets if d not in known]
+    if unknown:
+        raise EvalError(f"eval.datasets: unknown dataset(s) {unknown}; known: {', '.join(known)}")
+
+
 def load_eval_prompts(cfg: ExperimentConfig, tokenizer) -> dict[str, tuple[list[list[int]], list[str]]]:
     """Token ids and sample ids per dataset of ``eval.datasets``.
 
     Raises:
         EvalError: an unknown dataset (listing the known ones), an empty dataset.
-        Errors of ``specforge_opd.prompts.eval_prompts`` (a dataset missing offline) pass through.
+        prompts.PromptsError: a dataset missing offline (names the package or
+            ``data.local_files.<name>`` to provide).
     """
     from . import prompts as P
 
-    known = list(getattr(P, "KNOWN_EVAL_SETS", []))
-    unknown = [d for d in cfg.eval.datasets if known and d not in known]
-    if unknown:
-        raise EvalError(f"eval.datasets: unknown dataset(s) {unknown}; known: {', '.join(known)}")
-    if not cfg.eval.datasets:
-        raise EvalError("eval.datasets is empty; name at least one of: " + ", ".join(known))
+    check_dataset_names(cfg)
     out = {}
     for name in cfg.eval.datasets:
-        recs = P.eval_prompts(name, limit=cfg.eval.num_prompts)
+        recs = P.eval_prompts(name, limit=cfg.eval.num_prompts, cache=cfg.target.cache_dir, local_files=cfg.data.local_files)
         toks, ids, skipped = _prompt_token_ids(cfg, tokenizer, recs)
         if skipped:
             print(f"eval {name}: skipped {skipped} prompts longer than the context limit", file=sys.stderr)
@@ -512,6 +527,8 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
     out = Path(out_dir)
     if not drafter_dirs:
         raise EvalError("no drafter to evaluate: pass --drafter DIR (or NAME=DIR)")
+    if prompt_sets is None:
+        check_dataset_names(cfg)  # before paying for the target
     if target is None:
         from .target import load_target
 
@@ -666,6 +683,17 @@ def _parse_drafters(values: list[str]) -> dict[str, Path]:
     return out
 
 
+def _user_errors() -> tuple:
+    """Error classes whose message is the whole story (bad input, not a bug): printed without a traceback."""
+    from .assets import AssetError
+    from .chat import ChatError
+    from .prompts import PromptsError
+    from .rollout import RolloutError
+    from .target import TargetError
+
+    return (EvalError, DrafterError, PromptsError, ChatError, TargetError, RolloutError, AssetError)
+
+
 def cli(argv: list[str]) -> int:
     """``specforge-opd eval -c CFG --drafter DIR [--drafter NAME=DIR ...] [overrides] [--out DIR]``."""
     from .cli import experiment_parser, parse_experiment
@@ -677,9 +705,10 @@ def cli(argv: list[str]) -> int:
     if not drafters and cfg.draft.path:
         drafters = {"draft": Path(cfg.draft.path)}
     out = Path(cfg.output.dir)
+    _USER_ERRORS = _user_errors()
     try:
         result = evaluate(cfg, drafters, out)
-    except (EvalError, DrafterError) as e:
+    except _USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((out / "eval.md").read_text())

@@ -144,6 +144,29 @@ def test_offline_matches_live_on_tiny_model(tiny_setup):
     assert tau_of(recs) > 1.2
 
 
+def test_offline_matches_rollout_engine_batched(tiny_setup):
+    """Against the project's live engine (batched, left-padded): identical anchors, accepted counts
+    and per-prompt tau, with a stop token that ends some sequences early."""
+    from specforge_opd.config import RolloutConfig
+    from specforge_opd.rollout import SpeculativeEngine
+
+    target, prompts, trajs, drafter = tiny_setup
+    stop = int(trajs[0].input_ids[trajs[0].prompt_len + 9])  # a token the greedy runs produce
+    for stops, N in (([1], 40), ([stop], 40), ([1], 5)):
+        engine = SpeculativeEngine(target, drafter, RolloutConfig(max_new_tokens=N, teacher="full", store_features=False),
+                                   stop_token_ids=stops, mask_token_id=TINY_MASK)
+        live = engine.generate(prompts[:4]) + engine.generate(prompts[4:])
+        off = offline_tau(drafter, target, TrajectoryCache(None, target, "tiny", max_new_tokens=N, stop_token_ids=stops).get(prompts, [1]))
+        for lv, of in zip(live, off):
+            assert lv.input_ids.tolist() == of.input_ids.tolist()
+            assert lv.anchors.tolist() == of.anchors.tolist()
+            assert lv.accepted.tolist() == of.accepted.tolist()
+            assert lv.finished == of.finished
+            assert tau_of([lv]) == tau_of([of])
+        assert tau_of(live) == tau_of(off)
+        assert sum(r.finished for r in off) >= (1 if stops == [stop] else 0)
+
+
 def test_offline_matches_live_on_short_budget_and_stop_tokens(tiny_setup):
     """max_new_tokens smaller than the cached run and a stop token that occurs: same truncation as live."""
     target, prompts, _, drafter = tiny_setup
@@ -232,7 +255,7 @@ def test_evaluate_writes_json_md_and_plots(tmp_path, tiny_setup):
     assert res["method"] == "offline_replay"
 
 
-def test_evaluate_bad_input(tmp_path, tiny_setup, monkeypatch):
+def test_evaluate_bad_input(tmp_path, tiny_setup):
     target, prompts, _, _ = tiny_setup
     cfg = load_config(None, ["eval.speedup=false", f"eval.cache_dir={tmp_path / 'cache'}"])
     # a drafter built for another target: refused before any decoding
@@ -251,16 +274,13 @@ def test_evaluate_bad_input(tmp_path, tiny_setup, monkeypatch):
         evaluate(cfg, {"ok": ok}, tmp_path / "o", target=_target_ns(target), prompt_sets={"s": ([], [])})
     with pytest.raises(EvalError, match="no drafter"):
         evaluate(cfg, {}, tmp_path / "o", target=_target_ns(target), prompt_sets={"s": (prompts, ["x"] * len(prompts))})
-    # unknown dataset names the known ones (prompt module stubbed: the check comes first)
-    fake = types.SimpleNamespace(KNOWN_EVAL_SETS=["mtbench", "humaneval"], eval_prompts=lambda name, limit=None: [])
-    monkeypatch.setitem(sys.modules, "specforge_opd.prompts", fake)
-    monkeypatch.setattr("specforge_opd.prompts", fake, raising=False)
-    bad = load_config(None, ["eval.datasets=[mtbnch]"])
-    with pytest.raises(EvalError, match="known: mtbench, humaneval"):
-        load_eval_prompts(bad, tokenizer=None)
-    empty = load_config(None, ["eval.datasets=[mtbench]"])
+    # unknown dataset: the error lists the known ones; an empty selection is refused
+    from specforge_opd.prompts import KNOWN_EVAL_SETS
+
+    with pytest.raises(EvalError, match="known: " + ", ".join(KNOWN_EVAL_SETS[:2])):
+        evaluate(load_config(None, ["eval.datasets=[mtbnch]"]), {"ok": ok}, tmp_path / "o", target=_target_ns(target))
     with pytest.raises(EvalError, match="no prompts"):
-        load_eval_prompts(empty, tokenizer=None)
+        load_eval_prompts(load_config(None, ["eval.datasets=[humaneval]", "eval.num_prompts=0"]), tokenizer=None)
     # offline mode at T > 0 is refused (not exact)
     hot = load_config(None, ["eval.mode=offline", "eval.temperature=0.7", "eval.speedup=false"])
     from specforge_opd.config import ConfigError
