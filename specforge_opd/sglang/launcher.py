@@ -257,7 +257,11 @@ class Endpoints:
             return True  # remote server: nothing to restart; retries with backoff decide
         s = self.servers[i % len(self.servers)]
         if s.alive():
-            return True
+            # a crashing server drops connections a moment before its process is reaped
+            try:
+                s.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                return True
         ok = s.ensure_running()
         if ok:
             self.version = s.version
