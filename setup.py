@@ -27,5 +27,9 @@ setup(
         "sglang": ["aiohttp", "requests"],
         "gpu": ["flash-attn", "liger-kernel"],
     },
-    entry_points={"console_scripts": ["specforge-opd=specforge_opd.cli:main"]},
+    entry_points={
+        "console_scripts": ["specforge-opd=specforge_opd.cli:main"],
+        # SGLang loads this in its worker for native-mode rollouts (docs/sglang.md).
+        "sglang.srt.plugins": ["specforge_opd_native = specforge_opd.sglang.native:register"],
+    },
 )
