@@ -48,6 +48,9 @@ class TargetConfig(Section):
     system_prompt: Optional[str] = None
     #: Extra stop token ids besides the tokenizer's eos.
     stop_token_ids: List[int] = Field(default_factory=list)
+    #: Asset cache for the embedded target and parsed prompt sources
+    #: (None: $SPECFORGE_OPD_CACHE, else ~/.cache/specforge_opd).
+    cache_dir: Optional[str] = None
 
 
 class DraftConfig(Section):

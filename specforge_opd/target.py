@@ -1,0 +1,142 @@
+"""Loading the target model (DESIGN.md sections 5 and 7).
+
+``load_target(cfg.target)`` is what rollout, SFT capture, evaluation and the
+trainer's frozen target call; ``path: null`` means the embedded SmolLM2 target,
+converted on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class TargetError(ValueError):
+    """The target cannot be loaded; the message names the setting and the fix."""
+
+
+@dataclass
+class TargetBundle:
+    """A loaded target.
+
+    Attributes:
+        model: HF causal LM in eval mode, on the configured device and dtype, sdpa attention.
+        tokenizer: its tokenizer (with the chat template).
+        path: the HF directory it came from.
+        identity: 12 hex chars: sha256 of config.json and the weight files' names and
+            sizes; shards and checkpoints record it to refuse a different target.
+        stop_token_ids: eos, ``<|im_end|>`` when the vocabulary has it, and
+            ``target.stop_token_ids``; sorted, unique.
+    """
+
+    model: Any
+    tokenizer: Any
+    path: Path
+    identity: str
+    stop_token_ids: list[int]
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; anything else as given."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def target_identity(path: Path) -> str:
+    """Short hash of ``config.json`` plus the weight files' names and sizes (no weight read).
+
+    Raises:
+        TargetError: the directory has no config.json.
+    """
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise TargetError(f"target.path: {path} has no config.json; point it at a Hugging Face model directory")
+    h = hashlib.sha256(cfg.read_bytes())
+    for f in sorted(path.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".pt", ".gguf") or f.name.endswith(".index.json"):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:12]
+
+
+def stop_token_ids(tokenizer, config, extra: list[int]) -> list[int]:
+    """eos ids of the tokenizer and the model config, ``<|im_end|>`` if the vocabulary has it, plus ``extra``."""
+    ids: set[int] = set(int(i) for i in extra)
+    for src in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
+        ids.add(im_end)
+    return sorted(ids)
+
+
+def load_target(tcfg) -> TargetBundle:
+    """Load the target of ``tcfg`` (a ``TargetConfig``).
+
+    ``tcfg.path`` None: the embedded SmolLM2-135M-Instruct (``assets.ensure_target``,
+    under ``tcfg.cache_dir`` if set). ``tcfg.device`` "auto": cuda if available,
+    else cpu. ``tcfg.dtype``: the weights' dtype (``float32`` on a CPU is what
+    the tests and pinned facts use).
+
+    Raises:
+        TargetError: the path does not exist or is not an HF model directory,
+            or ``target.stop_token_ids`` lie outside the vocabulary.
+        assets.AssetError: the embedded target could not be prepared.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if tcfg.path is None:
+        from .assets import ensure_target
+
+        path = ensure_target(getattr(tcfg, "cache_dir", None))
+    else:
+        path = Path(tcfg.path).expanduser()
+        if not path.is_dir():
+            raise TargetError(
+                f"target.path: {path} does not exist; set it to a Hugging Face model directory, "
+                "or leave it null for the embedded SmolLM2 target"
+            )
+    identity = target_identity(path)
+    device = resolve_device(tcfg.device)
+    dtype = getattr(torch, _DTYPES[tcfg.dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    bad = [i for i in tcfg.stop_token_ids if not 0 <= i < vocab]
+    if bad:
+        raise TargetError(f"target.stop_token_ids {bad} lie outside the target vocabulary (size {vocab})")
+    stops = stop_token_ids(tokenizer, model.config, list(tcfg.stop_token_ids))
+    log.info("target %s (%s) on %s/%s, stop ids %s", path, identity, device, tcfg.dtype, stops)
+    return TargetBundle(model=model, tokenizer=tokenizer, path=path, identity=identity, stop_token_ids=stops)
+
+
+def describe(bundle: TargetBundle) -> dict:
+    """A JSON-able summary (for run reports and shard metadata)."""
+    c = bundle.model.config
+    return json.loads(
+        json.dumps(
+            {
+                "path": str(bundle.path),
+                "identity": bundle.identity,
+                "num_hidden_layers": c.num_hidden_layers,
+                "hidden_size": c.hidden_size,
+                "vocab_size": c.vocab_size,
+                "stop_token_ids": bundle.stop_token_ids,
+            }
+        )
+    )

@@ -1,0 +1,216 @@
+"""Prompt sources: packaged counts, truncated ShareGPT decoding, dedupe against eval sets, slices, local files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from specforge_opd import prompts
+from specforge_opd.config import DataConfig
+from specforge_opd.prompts import PromptRecord, PromptsError
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    # a private cache: the parse-then-cache path runs here, not a stale shared cache
+    return tmp_path_factory.mktemp("prompt_cache")
+
+
+@pytest.mark.parametrize(
+    "name,count",
+    [("humaneval", 164), ("mmath_math500", 311), ("mmath_aime24", 30), ("mmath_aime25", 15), ("mtbench", 80)],
+)
+def test_packaged_eval_counts(cache, name, count):
+    recs = prompts.eval_prompts(name, cache=cache)
+    assert len(recs) == count
+    assert all(r.source == name and r.text().strip() for r in recs)
+    assert len({r.id for r in recs}) == count
+
+
+def test_eval_record_contents(cache):
+    mt = prompts.eval_prompts("mtbench", limit=3, cache=cache)
+    assert len(mt) == 3 and mt[0].id == "81" and len(mt[0].meta["turns"]) == 2
+    assert mt[0].chat_messages() == [{"role": "user", "content": mt[0].meta["turns"][0]}]
+    aime = prompts.eval_prompts("mmath_aime24", cache=cache)
+    assert aime[0].answer == "204" and "Aya" in aime[0].text()
+    he = prompts.eval_prompts("humaneval", limit=1, cache=cache)[0]
+    assert he.id == "HumanEval/0" and "def has_close_elements" in he.text() and he.meta["entry_point"] == "has_close_elements"
+
+
+def test_sharegpt_whole_conversations(cache):
+    recs = prompts.load_source("sharegpt", cache=cache)
+    # 17671 whole conversations in the truncated file; 11168 start with a non-empty user turn
+    assert len(recs) == 11168
+    assert recs[0].id == "QWJhYvA_0" and recs[0].text().startswith("Summarize the main ideas of Jeff Walker")
+    assert all(r.chat_messages()[-1]["role"] == "user" for r in recs)
+    # 41 start with a system turn; 29 of those have a user turn next (12 have nothing after it)
+    assert sum(r.messages is not None for r in recs) == 29
+    again = prompts.load_source("sharegpt", cache=cache)  # from the JSONL cache
+    assert [r.id for r in again[:50]] == [r.id for r in recs[:50]] and again[7] == recs[7]
+
+
+def test_truncated_array_decoding():
+    full = [{"id": "a", "x": [1, 2]}, {"id": "b", "s": "} ] ,"}, {"id": "c"}]
+    text = json.dumps(full, indent=2)
+    assert list(prompts.iter_truncated_json_array(text)) == full
+    cut = text[: text.index('"c"') + 2]  # inside the third object
+    assert list(prompts.iter_truncated_json_array(cut)) == full[:2]
+    assert list(prompts.iter_truncated_json_array(text[:5])) == []
+    with pytest.raises(PromptsError, match="JSON array"):
+        list(prompts.iter_truncated_json_array('{"a": 1}'))
+
+
+def test_sharegpt_first_user_turn_rules():
+    f = prompts._sharegpt_record
+    assert f({"id": "1", "conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "go on"}]}) is None
+    assert f({"id": "2", "conversations": []}) is None
+    assert f({"id": "3", "conversations": [{"from": "human", "value": "  "}]}) is None
+    r = f({"id": "4", "conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A"}]})
+    assert r.prompt == "Q?" and r.messages is None
+    r = f({"id": "5", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q?"}]})
+    assert r.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}] and r.text() == "Q?"
+
+
+def test_record_schema():
+    with pytest.raises(PromptsError, match="exactly one"):
+        PromptRecord(id="x", source="s")
+    with pytest.raises(PromptsError, match="exactly one"):
+        PromptRecord(id="x", source="s", prompt="p", messages=[{"role": "user", "content": "p"}])
+    r = PromptRecord(id="x", source="s", prompt="p", answer="1", meta={"k": [1]})
+    assert PromptRecord.from_dict(json.loads(r.to_json())) == r
+
+
+def _write_jsonl(path, rows, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+def test_local_file_loaders(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    gsm = _write_jsonl(tmp_path / "gsm.jsonl", [{"question": "Tom has 3 apples. How many?", "answer": "3 apples\n#### 3"}])
+    (r,) = prompts.load_source("gsm8k", local_files={"gsm8k": gsm})
+    assert (r.source, r.prompt, r.answer, r.id) == ("gsm8k", "Tom has 3 apples. How many?", "3", "0")
+
+    ca = tmp_path / "ca.parquet"
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"instruction": "Write a loop.", "input": "n=3", "output": "for i in range(3): pass"},
+             {"instruction": "Reverse a string.", "input": "", "output": "s[::-1]"}]
+        ),
+        ca,
+    )  # fmt: skip
+    recs = prompts.load_source("codealpaca", local_files={"codealpaca": str(ca)})
+    assert [r.prompt for r in recs] == ["Write a loop.\n\nn=3", "Reverse a string."]
+
+    mbpp = _write_jsonl(tmp_path / "mbpp.jsonl.gz", [{"task_id": 11, "text": "Remove chars.", "code": "def f(): pass"}], gz=True)
+    (r,) = prompts.eval_prompts("mbpp", local_files={"mbpp": mbpp})
+    assert (r.id, r.prompt, r.answer) == ("11", "Remove chars.", "def f(): pass")
+
+    # messages as a JSON string in one row and a native list in another; a row with no prompt is skipped
+    aops = _write_jsonl(
+        tmp_path / "aops.jsonl",
+        [{"messages": json.dumps([{"role": "user", "content": "Prove x."}, {"role": "assistant", "content": "ok"}])},
+         {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Find y."}]},
+         {"unrelated": 1}],
+    )  # fmt: skip
+    recs = prompts.load_source("aops", local_files={"aops": aops})
+    assert [r.text() for r in recs] == ["Prove x.", "Find y."] and recs[1].messages[0]["role"] == "system"
+
+    m500 = tmp_path / "m500.json"
+    m500.write_text(json.dumps([{"problem": "Compute 1+1.", "answer": "2", "unique_id": "test/a.json"}]))
+    (r,) = prompts.eval_prompts("math500", local_files={"math500": str(m500)})
+    assert (r.id, r.answer) == ("test/a.json", "2")
+
+
+def test_hub_only_source_offline_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(PromptsError, match=r"data\.local_files\.gsm8k"):
+        prompts.load_source("gsm8k")
+    with pytest.raises(PromptsError, match=r"data\.local_files\.math: .* does not exist"):
+        prompts.load_source("math", local_files={"math": str(tmp_path / "missing.jsonl")})
+
+
+def test_unknown_and_empty_sets(tmp_path):
+    with pytest.raises(PromptsError, match="known: mtbench, humaneval"):
+        prompts.eval_prompts("mt-bench")
+    with pytest.raises(PromptsError, match="unknown prompt source `sharegtp`"):
+        prompts.load_source("sharegtp")
+    empty = _write_jsonl(tmp_path / "e.jsonl", [])
+    with pytest.raises(PromptsError, match="`aime25` is empty"):
+        prompts.eval_prompts("aime25", local_files={"aime25": empty})
+
+
+def test_overlap_index():
+    long_eval = "Let ABC be a triangle inscribed in circle omega and let the tangents at B and C meet at D"
+    idx = prompts.OverlapIndex([long_eval, "Write a haiku about the sea now", "hi"])
+    assert idx.overlaps("  LET abc be a TRIANGLE inscribed in circle omega and let the tangents at b and c meet at d ")
+    assert idx.overlaps("Please solve: " + long_eval[:80] + " ... thanks")  # shares a 13-word run
+    assert idx.overlaps("Could you write a haiku about the sea now? Thanks")  # contains a short eval prompt
+    assert idx.overlaps("Hi")  # exact match of a very short one
+    assert not idx.overlaps("Hi there, how are you")  # too short to match inside
+    assert not idx.overlaps("Let ABC be a triangle inscribed in a square")
+
+
+def _pool_cfg(tmp_path, rows, **kw):
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    return DataConfig(train_sources=["codealpaca"], local_files={"codealpaca": path}, **kw)
+
+
+def test_training_pool_drops_eval_overlap_and_duplicates(tmp_path, cache):
+    mt = prompts.eval_prompts("mtbench", cache=cache)
+    aime = prompts.eval_prompts("mmath_aime24", cache=cache)
+    rows = [{"instruction": f"Unrelated task number {i}: sort a list of {i} integers."} for i in range(40)]
+    rows += [
+        {"instruction": mt[0].text()},  # verbatim MT-Bench
+        {"instruction": "  " + mt[5].text().upper() + " "},  # same after normalization
+        {"instruction": "Solve this: " + aime[3].text()},  # contains an AIME problem
+        {"instruction": mt[2].meta["turns"][1]},  # an MT-Bench second turn
+        {"instruction": "Unrelated task number 3: sort a list of 3 integers."},  # duplicate
+        {"instruction": ""},
+    ]
+    cfg = _pool_cfg(tmp_path, rows, exclude_eval=["mtbench", "mmath_aime24"])
+    pool, stats = prompts.training_pool_with_stats(cfg, cache=cache)
+    assert stats.loaded == {"codealpaca": 45}  # the empty row has no prompt and is skipped at load
+    assert (stats.eval_overlap, stats.duplicates, stats.kept) == (4, 1, 40)
+    assert {r.text() for r in pool} == {r["instruction"] for r in rows[:40]}
+    # without exclusion the overlapping ones stay
+    cfg2 = _pool_cfg(tmp_path, rows, exclude_eval=[])
+    assert prompts.training_pool_with_stats(cfg2, cache=cache)[1].kept == 44
+
+
+def test_training_pool_slices_disjoint_and_seeded(tmp_path, cache):
+    rows = [{"instruction": f"Prompt {i} about topic {i * 7}"} for i in range(200)]
+    a = prompts.training_pool(_pool_cfg(tmp_path, rows, exclude_eval=[], num_slices=3, slices=[0]), cache=cache)
+    b = prompts.training_pool(_pool_cfg(tmp_path, rows, exclude_eval=[], num_slices=3, slices=[1, 2]), cache=cache)
+    ta, tb = {r.text() for r in a}, {r.text() for r in b}
+    assert not ta & tb and len(ta) + len(tb) == 200 and 40 < len(ta) < 95
+    assert all(prompts.slice_of(t, 3) == 0 for t in ta)
+    again = prompts.training_pool(_pool_cfg(tmp_path, rows, exclude_eval=[], num_slices=3, slices=[0]), cache=cache)
+    assert [r.id for r in again] == [r.id for r in a]  # same seed, same order
+    other = prompts.training_pool(_pool_cfg(tmp_path, rows, exclude_eval=[], num_slices=3, slices=[0], seed=1), cache=cache)
+    assert [r.id for r in other] != [r.id for r in a] and {r.id for r in other} == {r.id for r in a}
+    capped = prompts.training_pool(_pool_cfg(tmp_path, rows, exclude_eval=[], num_prompts=7), cache=cache)
+    assert len(capped) == 7
+    with pytest.raises(PromptsError, match=r"data\.slices=\[3\]"):
+        prompts.training_pool(_pool_cfg(tmp_path, rows, num_slices=3, slices=[3]), cache=cache)
+
+
+def test_training_pool_too_long_with_tokenizer(tmp_path, cache):
+    class WordTokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": text.split()})()
+
+    rows = [{"instruction": "short one"}, {"instruction": "word " * 600}]
+    pool, stats = prompts.training_pool_with_stats(
+        _pool_cfg(tmp_path, rows, exclude_eval=[], max_prompt_tokens=512), cache=cache, tokenizer=WordTokenizer()
+    )
+    assert [r.text() for r in pool] == ["short one"] and stats.too_long == 1
