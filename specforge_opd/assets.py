@@ -435,9 +435,11 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--cache", help=f"cache directory (default ${CACHE_ENV} or ~/.cache/specforge_opd)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from .prompts import PromptsError
+
     try:
         rep = prepare_assets(args.cache)
-    except AssetError as e:
+    except (AssetError, PromptsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"target: {rep['target']} ({rep['seconds']['target']:.2f} s)")

@@ -183,3 +183,22 @@ def test_cached_entry_survives_uninstalled_package(tmp_path, monkeypatch):
     entry.mkdir(parents=True)
     (entry / assets.MARKER_FILE).write_text("{}")
     assert assets.ensure_target(tmp_path) == entry
+
+
+def test_prepare_assets_cli(tmp_path, monkeypatch, capsys):
+    from specforge_opd import prompts
+    from specforge_opd.cli import main
+
+    monkeypatch.setattr(assets, "ensure_target", lambda cache=None, progress=True: tmp_path / "target")
+    monkeypatch.setattr(prompts, "OFFLINE_SOURCES", ("humaneval", "mtbench"))
+    assert main(["prepare-assets", "--cache", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "prompts humaneval: 164 records" in out and "prompts mtbench: 80 records" in out
+    assert len(list((tmp_path / "c" / "prompts").glob("*.jsonl"))) == 2
+
+    def bad(cache=None, progress=True):
+        raise assets.AssetError("sha256 differs")
+
+    monkeypatch.setattr(assets, "ensure_target", bad)
+    assert main(["prepare-assets", "--cache", str(tmp_path / "c")]) == 1
+    assert capsys.readouterr().err.strip() == "error: sha256 differs"
