@@ -554,7 +554,8 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
         ConfigError: an override names a key outside the nesting it must extend.
     """
     t = cfg.training
-    steps_per_epoch = max(1, math.ceil(num_samples / (t.batch_size * max(1, gpus) * t.accumulation_steps)))
+    # SpecForge drops the last partial batch: steps = samples // (batch * ranks) * epochs // accumulation
+    steps_per_epoch = max(1, num_samples // (t.batch_size * max(1, gpus)) // t.accumulation_steps)
     total = steps_per_epoch * t.num_epochs
     run = {
         "run_id": SPECFORGE_RUN_ID,

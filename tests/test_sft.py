@@ -243,3 +243,31 @@ def test_no_supervised_samples_left_is_an_error(tmp_path):
         with pytest.raises(sft.SFTError, match="none of 2 samples"):
             sft.run_features(tmp_path / "feat", [_rec(0, 4, 0), _rec(1, 4, 1)], lambda: None, [2], cfg)
     assert not list((tmp_path / "feat").glob("rows_*/*.ckpt"))
+
+
+def test_killed_training_resumes_from_specforge_checkpoint(tmp_path, chat_render, monkeypatch, capfd):
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run", **{"sft.save_interval": 2, "sft.verify_prompts": 0})
+    prompts = make_prompts(8)
+    real_call = sft.subprocess.call
+
+    def crash_after_4_steps(cmd, **kw):
+        # SpecForge runs 4 of its 8 steps (checkpoints at 2 and 4), then the process "dies"
+        real_call(cmd + ["training.max_steps=4", "training.total_steps=8"], **kw)
+        return 137
+
+    monkeypatch.setattr(sft.subprocess, "call", crash_after_4_steps)
+    with pytest.raises(sft.SFTError, match="status 137.*resumes"):
+        sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    ckpts = next((tmp_path / "run").glob("train-*")) / "checkpoints"
+    assert sft.latest_checkpoint(ckpts).name == "sft-step4"
+    monkeypatch.setattr(sft.subprocess, "call", real_call)
+    capfd.readouterr()
+    sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    out = capfd.readouterr().out
+    assert "resuming SpecForge from sft-step4" in out
+    steps = [int(m) for m in __import__("re").findall(r"^step (\d+):", out, flags=__import__("re").M)]
+    assert steps == [5, 6, 7, 8]  # no step trained twice
+    assert sft.latest_checkpoint(ckpts).name == "sft-step8"
+    state = torch.load(sft.latest_checkpoint(ckpts) / "training_state.pt", weights_only=True)
+    assert state["global_step"] == 8 and state["epoch_samples"] == 8
