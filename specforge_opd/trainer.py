@@ -494,7 +494,7 @@ def distill(
                 dist.all_reduce(s)
                 sums = s.cpu()
             if on_gradients is not None:
-                on_gradients(step, drafter)
+                on_gradients(step + 1, drafter)  # 1-based, as in the metrics
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.max_grad_norm)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             finite = math.isfinite(float(sums[0])) and math.isfinite(grad_norm)
