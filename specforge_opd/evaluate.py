@@ -239,97 +239,140 @@ class TrajectoryCache:
 # exact offline replay
 
 
+class _Replay:
+    """One prompt's replay state: anchor, drafter KV cache, blocks so far, the block in flight."""
+
+    def __init__(self, traj: Trajectory, sample_id: str, ctx: torch.Tensor, device):
+        self.traj, self.sample_id, self.ctx = traj, sample_id, ctx
+        self.ids = traj.input_ids.tolist()
+        self.E = len(self.ids)
+        self.a = traj.prompt_len
+        self.cache = DynamicCache()
+        self.anchors: list[int] = []
+        self.drafts: list[torch.Tensor] = []
+        self.accepted: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        # a == E-1: the trajectory's last token is already produced (as a bonus or the prefill token)
+        return self.a >= self.E - 1
+
+    def record(self, bs: int) -> RolloutRecord:
+        M = len(self.anchors)
+        return RolloutRecord(
+            sample_id=self.sample_id,
+            input_ids=self.traj.input_ids.clone(),
+            prompt_len=self.traj.prompt_len,
+            anchors=torch.tensor(self.anchors, dtype=torch.long),
+            drafts=torch.stack(self.drafts) if M else torch.zeros((0, bs - 1), dtype=torch.long),
+            accepted=torch.tensor(self.accepted, dtype=torch.long),
+            finished=self.traj.finished,
+            extra={"offline": True},
+        )
+
+
 @torch.inference_mode()
-def offline_replay(drafter, target_model, traj: Trajectory, *, sample_id: str = "", full_drafts: bool = False) -> RolloutRecord:
-    """Replay ``drafter``'s speculative decoding at T=0 against a cached greedy trajectory.
+def offline_tau(
+    drafter,
+    target_model,
+    trajectories: list[Trajectory],
+    sample_ids: Optional[list[str]] = None,
+    *,
+    full_drafts: bool = False,
+    desc: str = "offline replay",
+) -> list[RolloutRecord]:
+    """Replay ``drafter``'s speculative decoding at T=0 against cached greedy trajectories.
 
     Per block: one drafter forward over [slot 0 = token at a_m, MASK x (bs-1)]
     at positions a_m..a_m+bs-1, context features of positions < a_m (drafter KV
-    cache), drafts = argmax of the target's lm_head at slots 1..bs-1 (slot k
-    predicts position a_m + k, DESIGN.md block layout). The lm_head runs over
-    slots in chunks of 1, 2, 4, ... and stops after the chunk holding the first
-    mismatch: the verdict needs no later slot.
+    cache, as SpecForge's ``spec_generate``); drafts = argmax of the target's
+    lm_head at slots 1..bs-1 (slot k predicts position a_m + k, DESIGN.md block
+    layout); r_m = the longest prefix equal to the cached tokens, clipped to the
+    tokens the trajectory has (as the live engine clips the block that ends a
+    sequence); a_{m+1} = a_m + r_m + 1. No target forward.
+
+    Cost: prompts advance in lockstep, one block each per round; the lm_head
+    (memory-bound: the whole [V, H] weight per call) runs once per round for all
+    prompts, over slots in chunks of 1, 2, 4, ... per prompt, stopping after
+    the chunk holding the first mismatch (later slots cannot change the verdict).
 
     Args:
-        drafter: ``DFlashDraftModel``.
-        target_model: the HF target (its input embedding and lm_head only).
-        traj: from ``TrajectoryCache.get`` holding the drafter's layer ids.
-        full_drafts: compute every slot's draft (costs the full lm_head).
+        drafter: ``DFlashDraftModel`` (eval mode).
+        target_model: the HF target; only its input embedding and lm_head are used.
+        trajectories: from ``TrajectoryCache.get``, holding the drafter's layer ids.
+        sample_ids: stored in the records (default "0", "1", ...).
+        full_drafts: compute every slot's draft (the full lm_head per block).
 
     Returns:
-        RolloutRecord with input_ids = the trajectory, anchors [M], accepted [M]
-        (r_m clipped to the tokens the trajectory has), drafts [M, bs-1] (int64;
-        -1 marks slots not computed), ``extra["offline"] = True``.
+        One RolloutRecord per trajectory: input_ids = the trajectory, anchors [M],
+        accepted [M], drafts [M, bs-1] int64 with -1 at slots not computed,
+        ``extra["offline"] = True``. Pool with ``records.tau_of``.
     """
+    sample_ids = sample_ids or [str(i) for i in range(len(trajectories))]
+    drafter.eval()
     layer_ids = drafter_layer_ids(drafter)
     bs = int(drafter.block_size)
     mask = drafter_mask_token_id(drafter)
     dtype = next(drafter.parameters()).dtype
     device = next(drafter.parameters()).device
-    ids = traj.input_ids.to(device)
-    P, E = traj.prompt_len, int(ids.numel())
-    ctx = traj.context(layer_ids).to(device=device, dtype=dtype)
     embed = target_model.get_input_embeddings()
-    lm_head = target_model.get_output_embeddings()
-    cache = DynamicCache()
-    anchors, drafts, accepted = [], [], []
-    a = P
-    # a == E-1: the trajectory's last token is already produced (as a bonus or prefill token)
-    while a < E - 1:
-        block = torch.full((1, bs), mask, dtype=torch.long, device=device)
-        block[0, 0] = ids[a]
-        seen = cache.get_seq_length()
-        h = drafter(
-            target_hidden=ctx[seen:a].unsqueeze(0),
-            noise_embedding=embed(block).to(dtype),
-            position_ids=torch.arange(seen, a + bs, device=device).unsqueeze(0),
-            past_key_values=cache,
-            use_cache=True,
-            is_causal=False,
-        )
-        cache.crop(a)
-        limit = min(bs - 1, E - 1 - a)  # drafted slots the trajectory can judge
-        d = torch.full((bs - 1,), -1, dtype=torch.long)
-        r, k0, width, decided = 0, 0, 1, False
-        while k0 < bs - 1 and not (decided and not full_drafts):
+    w = target_model.get_output_embeddings().weight
+    states = [_Replay(tr, sid, tr.context(layer_ids).to(device=device, dtype=dtype), device) for tr, sid in zip(trajectories, sample_ids)]
+    total = sum(s.E - 1 - s.a for s in states)
+    bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=None if total >= 2048 else True)
+    active = [s for s in states if not s.done]
+    while active:
+        # one drafter forward per prompt (contexts differ in length; the drafter is small)
+        hidden = []
+        for s in active:
+            block = torch.full((1, bs), mask, dtype=torch.long, device=device)
+            block[0, 0] = s.ids[s.a]
+            seen = s.cache.get_seq_length()
+            h = drafter(
+                target_hidden=s.ctx[seen : s.a].unsqueeze(0),
+                noise_embedding=embed(block).to(dtype),
+                position_ids=torch.arange(seen, s.a + bs, device=device).unsqueeze(0),
+                past_key_values=s.cache,
+                use_cache=True,
+                is_causal=False,
+            )
+            s.cache.crop(s.a)
+            hidden.append(h[0, 1:].to(w.dtype))  # slots 1..bs-1
+        # verdicts: chunked lm_head, batched over the prompts still undecided
+        n = len(active)
+        d = torch.full((n, bs - 1), -1, dtype=torch.long)
+        r = [0] * n
+        limit = [min(bs - 1, s.E - 1 - s.a) for s in active]  # drafted slots the trajectory can judge
+        open_ = [limit[i] > 0 or full_drafts for i in range(n)]
+        k0, width = 0, 1
+        while k0 < bs - 1 and any(open_):
             k1 = min(k0 + width, bs - 1)
-            w = lm_head.weight
-            d[k0:k1] = (h[0, 1 + k0 : 1 + k1].to(w.dtype) @ w.T).argmax(-1).cpu()
-            for k in range(k0, min(k1, limit)):
-                if decided:
-                    break
-                if int(d[k]) == int(ids[a + 1 + k]):
-                    r += 1
-                else:
-                    decided = True
-            if k1 >= limit:
-                decided = True
+            rows = [i for i in range(n) if open_[i]]
+            d[rows, k0:k1] = (torch.stack([hidden[i][k0:k1] for i in rows]) @ w.T).argmax(-1).cpu()
+            for i in rows:
+                s = active[i]
+                for k in range(k0, min(k1, limit[i])):
+                    if int(d[i, k]) != s.ids[s.a + 1 + k]:
+                        limit[i] = k  # first mismatch: r is final
+                        break
+                    r[i] += 1
+                if not full_drafts and k1 >= limit[i]:
+                    open_[i] = False
             k0, width = k1, width * 2
-        anchors.append(a)
-        drafts.append(d)
-        accepted.append(r)
-        a = a + r + 1
-    M = len(anchors)
-    return RolloutRecord(
-        sample_id=sample_id,
-        input_ids=traj.input_ids.clone(),
-        prompt_len=P,
-        anchors=torch.tensor(anchors, dtype=torch.long),
-        drafts=torch.stack(drafts) if M else torch.zeros((0, bs - 1), dtype=torch.long),
-        accepted=torch.tensor(accepted, dtype=torch.long),
-        finished=traj.finished,
-        extra={"offline": True},
-    )
+        for i, s in enumerate(active):
+            s.anchors.append(s.a)
+            s.drafts.append(d[i].clone())
+            s.accepted.append(r[i])
+            bar.update(min(r[i] + 1, s.E - 1 - s.a))
+            s.a += r[i] + 1
+        active = [s for s in active if not s.done]
+    bar.close()
+    return [s.record(bs) for s in states]
 
 
-def offline_tau(drafter, target_model, trajectories: list[Trajectory], sample_ids: Optional[list[str]] = None, desc: str = "offline replay") -> list[RolloutRecord]:
-    """``offline_replay`` over many trajectories; pool the result with ``records.tau_of``."""
-    sample_ids = sample_ids or [str(i) for i in range(len(trajectories))]
-    drafter.eval()
-    return [
-        offline_replay(drafter, target_model, tr, sample_id=sid)
-        for tr, sid in tqdm(list(zip(trajectories, sample_ids)), desc=desc, leave=False, disable=None)
-    ]
+def offline_replay(drafter, target_model, traj: Trajectory, *, sample_id: str = "", full_drafts: bool = False) -> RolloutRecord:
+    """``offline_tau`` for one trajectory (see there)."""
+    return offline_tau(drafter, target_model, [traj], [sample_id], full_drafts=full_drafts)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -429,7 +472,7 @@ def _prompt_token_ids(cfg: ExperimentConfig, tokenizer, records) -> tuple[list[l
         raise ConfigError(f"eval.max_new_tokens={cfg.eval.max_new_tokens} leaves no room under target.max_context={cfg.target.max_context}")
     out, ids, skipped = [], [], 0
     for rec in records:
-        messages = rec.messages if rec.messages else [{"role": "user", "content": rec.prompt or ""}]
+        messages = rec.chat_messages()
         first_turn = []
         for m in messages:  # the first user turn (MT-Bench's second turn needs the first answer)
             first_turn.append(m)
