@@ -583,6 +583,8 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
             "seed": t.seed,
             "log_interval": t.log_interval,
             "save_interval": cfg.sft.save_interval or max(1, total // 5),
+            # each checkpoint carries the optimizer state (~4x the drafter); resume needs the newest only
+            "max_checkpoints": 2,
             "attention_backend": t.attention_backend,
         },
     }
