@@ -208,9 +208,12 @@ def kl_full(student_logits: torch.Tensor, teacher_logits: torch.Tensor, reverse:
     """
     logq = F.log_softmax(student_logits.float(), dim=-1)
     logp = F.log_softmax(teacher_logits.float(), dim=-1)
-    fwd = kl_from_logprobs(logp, logq)
-    rev = kl_from_logprobs(logq, logp)
-    return torch.where(reverse, rev, fwd)
+    # One pass per row in its own direction: KL = sum_y w(y) (log p - log q) with
+    # w = p (forward) or -q (reverse). log_softmax of finite logits is finite, so
+    # no 0 * -inf guard is needed here.
+    diff = logp - logq
+    w = torch.where(reverse.view(-1, 1), -logq.exp(), logp.exp())
+    return (w * diff).sum(-1)
 
 
 def kl_topk(
@@ -243,14 +246,15 @@ def kl_topk(
     draft_ids = draft_ids.view(-1, 1)
     draft_new = ~(topk_ids == draft_ids).any(-1, keepdim=True)  # [N, 1]
     ids = torch.cat([topk_ids, draft_ids], dim=1)  # [N, k+1]
-    in_support = torch.zeros(N, V, dtype=torch.bool, device=logits.device)
-    in_support.scatter_(1, ids, True)
-    # The student tail is exact (logsumexp over the ids outside the support); it
-    # is absent only when the support is the whole vocabulary.
-    tail_present = in_support.sum(-1, keepdim=True) < V
-    masked = logits.masked_fill(in_support, torch.finfo(logits.dtype).min)
-    logq_tail = torch.where(tail_present, torch.logsumexp(masked, -1, keepdim=True) - lse, torch.zeros_like(lse))
     logq_ids = logits.gather(1, ids) - lse
+    # Top-k ids are distinct, so the support has k + [draft is new] ids; the tail
+    # is absent only when that is the whole vocabulary. The student tail mass is
+    # 1 - sum over the support (accumulated in float64), clamped at 0: no pass
+    # over [N, V] beyond the logsumexp.
+    tail_present = (topk_ids.shape[1] + draft_new.long()) < V
+    q_support = torch.where(torch.cat([torch.ones_like(topk_ids, dtype=torch.bool), draft_new], 1), logq_ids.exp(), torch.zeros_like(logq_ids))
+    q_tail = (1.0 - q_support.double().sum(-1, keepdim=True)).float().clamp_min(0.0)
+    logq_tail = torch.where(tail_present, q_tail.clamp_min(1e-30).log(), torch.zeros_like(lse))
 
     logp_ids = torch.cat([topk_logprobs.float(), draft_logprob.float().view(-1, 1)], dim=1)
     valid = torch.cat([torch.ones_like(topk_ids, dtype=torch.bool), draft_new], dim=1)
