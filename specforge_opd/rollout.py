@@ -501,6 +501,7 @@ class SpeculativeEngine:
                     keep.append(j)
             progress.update(n_new)
             self.stats["verify_steps"] += len(active)
+            self.stats["batch_steps"] = self.stats.get("batch_steps", 0) + 1
             # keep the batch's longest accepted prefix; shorter rows get holes
             c = int(acc.max()) + 1
             self.tcache.crop(S + c)
@@ -665,12 +666,14 @@ def autoregressive_generate(
     top_k: int = 0,
     seed: int = 0,
     sample_ids: Optional[Sequence[str]] = None,
+    stats: Optional[dict] = None,
 ) -> list[list[int]]:
     """Batched token-by-token decoding with a KV cache (left-padded prompts, explicit positions).
 
     Sampling uses the same per-row generators as ``SpeculativeEngine`` (seeded
     by ``seed`` and the sample id, default "0", "1", ...). Returns, per prompt,
     the generated tokens only (at most ``max_new_tokens``, ending at the first stop token).
+    ``stats``, when given, receives ``t_prefill``, ``t_decode`` (seconds) and ``decode_steps``.
 
     Raises:
         RolloutError: an empty prompt.
@@ -700,6 +703,11 @@ def autoregressive_generate(
     done = [False] * B
     q_ids, q_pos, q_valid = ids, pos, valid
     cur = pos[:, -1]
+    import time
+
+    t0 = time.perf_counter()
+    t_first = None
+    steps = 0
     for _ in range(max_new_tokens):
         h = target_model.model(
             input_ids=q_ids, position_ids=q_pos, attention_mask=_step_mask(kv_valid, q_valid), past_key_values=cache, use_cache=True
@@ -710,11 +718,18 @@ def autoregressive_generate(
             if not done[b]:
                 out[b].append(int(tok[b]))
                 done[b] = int(tok[b]) in stops or len(out[b]) >= max_new_tokens
+        if t_first is None:
+            t_first = time.perf_counter()
+        else:
+            steps += 1
         if all(done):
             break
         cur = cur + 1
         q_ids, q_pos = tok.unsqueeze(1), cur.unsqueeze(1)
         q_valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
+    if stats is not None:
+        t1 = time.perf_counter()
+        stats.update(t_prefill=(t_first or t1) - t0, t_decode=t1 - (t_first or t1), decode_steps=steps)
     return out
 
 
@@ -759,13 +774,10 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         from .chat import render_prompt
         from .prompts import training_pool
 
-        pool = training_pool(cfg.data)
+        pool = training_pool(cfg.data, tokenizer=bundle.tokenizer)
         prompts = []
         for pr in pool:
-            if pr.messages is not None:
-                text = render_prompt(bundle.tokenizer, pr.messages, thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
-            else:
-                text = render_prompt(bundle.tokenizer, [{"role": "user", "content": pr.prompt}], thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
+            text = render_prompt(bundle.tokenizer, pr.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
             prompts.append((str(pr.id), bundle.tokenizer(text, add_special_tokens=False)["input_ids"]))
     meta = {
         "target_identity": bundle.identity,
