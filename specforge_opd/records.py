@@ -10,6 +10,10 @@ The in-memory contract between the rollout engine (writer), the shard format
 * ``drafts[m, k-1]`` = d_{m,k}, the drafter's token for slot k, predicting the
   token at position a_m + k.
 * ``accepted[m]`` = r_m in 0..bs-1: the drafted prefix the verify step accepted.
+  The last block may be cut by a stop token or ``max_new_tokens``: its r_M is then
+  clipped to the tokens kept, so a_M + r_M + 1 <= T always holds (= T when the
+  sequence ends on an accepted draft, = T - 1 when it ends on the bonus token) and
+  every accepted slot's token is in ``input_ids``.
 * Teacher signal at drafted slot k comes from the verify pass of block m, the
   target's output at slot k-1 (conditioned on [slot 0, d_1..d_{k-1}]); index
   ``k-1`` along the second axis of every teacher tensor. Entry r_m (slot r_m+1)

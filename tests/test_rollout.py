@@ -13,7 +13,10 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
+try:  # tests/ may or may not be a package
+    from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
+except ImportError:
+    from .conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 
 from specforge_opd.config import RolloutConfig
 from specforge_opd.records import tau_of
