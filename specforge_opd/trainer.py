@@ -351,6 +351,8 @@ def distill(
     progress: bool = True,
     fault_after_steps: Optional[int] = None,
     on_gradients=None,
+    schedule: Optional[tuple[int, int]] = None,
+    carry_from=None,
 ) -> DistillResult:
     """Train the drafter with Draft-OPD on rollout shards; resumable (paper section 4.2).
 
@@ -367,6 +369,12 @@ def distill(
         fault_after_steps: raise ``InjectedFault`` after this many steps of this call (tests).
         on_gradients: ``fn(step, drafter)`` called on every rank after the backward
             passes of a step, before clipping (gradient statistics, tests).
+        schedule: ``(start, total)``: this call is steps ``start..start+steps`` of a
+            longer LR schedule of ``total`` steps (the iterated OPD stage runs one
+            cosine over all its iterations). None: the schedule spans this call.
+        carry_from: a ``checkpoints/`` directory of the previous phase; on a fresh
+            start its latest checkpoint's weights, optimizer moments and scheduler
+            continue here (its data fingerprint is not checked: the data is new).
     Returns:
         DistillResult.
     Raises:
@@ -411,7 +419,7 @@ def distill(
             drafter.to(device)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if (bf16 and device.type == "cuda" and not dist.is_initialized()) else None
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
-        scheduler = _scheduler(optimizer, cfg, total)
+        scheduler = _scheduler(optimizer, cfg, total if schedule is None else int(schedule[1]))
         ckpt_root = out / "checkpoints"
         step, skipped_total, nonfinite_run = 0, 0, 0
         ckpt = latest_checkpoint(ckpt_root) if resume else None
@@ -424,6 +432,14 @@ def distill(
                 )
             scheduler.load_state_dict(state["scheduler"])
             step, skipped_total, nonfinite_run = int(state["step"]), int(state["nonfinite_skipped"]), int(state["nonfinite_run"])
+        else:
+            prev = latest_checkpoint(carry_from) if carry_from is not None and Path(carry_from).is_dir() else None
+            if prev is not None:
+                prev_state = load_checkpoint(prev, drafter, optimizer)
+                scheduler.load_state_dict(prev_state["scheduler"])
+            elif schedule is not None:
+                for _ in range(int(schedule[0])):
+                    scheduler.step()
         metrics = MetricsLog(out, cfg, rank, step)
         export_dir = out / "final"
 

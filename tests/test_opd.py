@@ -1,0 +1,73 @@
+"""The iterated OPD stage on a tiny random target: plan, loop, kill-and-resume (issue 9)."""
+
+import json
+
+import pytest
+import torch
+
+from specforge_opd.config import load_config
+from specforge_opd.drafter import load_drafter, save_drafter
+from specforge_opd.target import TargetBundle
+from specforge_opd.trainer import InjectedFault
+
+from conftest import make_tiny_drafter, make_tiny_target
+
+
+def _setup(tmp_path, name):
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    init = save_drafter(drafter, tmp_path / "init")
+    bundle = TargetBundle(model=target, tokenizer=None, path=tmp_path, identity="tiny", stop_token_ids=[1])
+    g = torch.Generator().manual_seed(0)
+    prompts = [(f"p{i}", torch.randint(3, 90, (5 + i % 3,), generator=g).tolist()) for i in range(8)]
+    cfg = load_config(None, [
+        f"output.dir={tmp_path / name}", f"draft.path={init}", "draft.block_size=4", "draft.num_hidden_layers=2",
+        "rollout.batch_size=2", "rollout.max_new_tokens=10", "rollout.teacher=full",
+        "opd.prompts_per_step=2", "opd.prompts_per_iteration=4", "training.num_epochs=1",
+        "training.checkpoint_interval=1", "output.tensorboard=false", "target.max_context=64",
+    ])
+    return cfg, bundle, prompts
+
+
+def _params(d):
+    return {k: v.clone() for k, v in load_drafter(d).state_dict().items()}
+
+
+def test_opd_loop_and_resume(tmp_path):
+    from specforge_opd.opd import run_opd
+
+    cfg, bundle, prompts = _setup(tmp_path, "clean")
+    final = run_opd(cfg, target=bundle, prompts=prompts)
+    out = tmp_path / "clean"
+    rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(r["train_steps"] == 2 for r in rows)  # 4 prompts per iteration / 2 per step
+    assert rows[0]["rollout_sequences"] == 4 and rows[0]["rollout_tau"] >= 1.0
+    assert (out / "report.md").is_file() and (out / "tau_per_iteration.png").is_file()
+    assert not (out / "spool" / "iter_000").exists()  # consumed shards deleted
+    meta = json.loads((final / "specforge_opd.json").read_text())
+    assert meta["flops"]["drafter_train"] > 0 and meta["flops"]["target_rollout"] > 0
+    assert meta["step"] == 4  # 2 iterations x 2 optimizer steps
+    reference = _params(final)
+    # one cosine schedule over the whole stage: iteration 1 continues where iteration 0 stopped
+    lrs = [json.loads(l)["lr"] for it in (0, 1) for l in (out / f"iter_{it:03d}" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] == pytest.approx(0.0, abs=1e-12) and lrs[0] == pytest.approx(3e-4)
+
+    # killed in the rollout phase (after one batch), then in the training phase (after one step)
+    cfg2, bundle2, _ = _setup(tmp_path, "killed")
+    with pytest.raises(InjectedFault):
+        run_opd(cfg2, target=bundle2, prompts=prompts, fault="rollout:1")
+    assert (tmp_path / "killed" / "spool" / "iter_000" / "manifest.json").is_file()
+    with pytest.raises(InjectedFault):
+        run_opd(cfg2, target=bundle2, prompts=prompts, fault="train:1")
+    final2 = run_opd(cfg2, target=bundle2, prompts=prompts)
+    resumed = _params(final2)
+    for k in reference:
+        assert torch.allclose(reference[k], resumed[k], atol=1e-6), k
+    rows2 = [json.loads(l) for l in (tmp_path / "killed" / "opd_metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows2] == [0, 1]
+    assert rows2[0]["rollout_tau"] == pytest.approx(rows[0]["rollout_tau"])
+    # a finished run started again trains nothing more
+    again = run_opd(cfg2, target=bundle2, prompts=prompts)
+    for k, v in _params(again).items():
+        assert torch.equal(v, resumed[k])
