@@ -2,7 +2,7 @@
 speculative decoding, per evaluated drafter, on the embedded SmolLM2 target (issue 6).
 
     .venv/bin/python benchmarks/bench_offline_eval.py [--prompts 16] [--max-new-tokens 64]
-        [--batch-sizes 1 8] [--drafter DIR ...] [--threads 1]
+        [--batch-sizes 1 8] [--drafter DIR ...] [--threads 1] [--cache-dir DIR]
 
 Prints (and writes with --json) per drafter: offline replay seconds, live seconds at each
 batch size, their ratio, the one-time cache cost, and the per-prompt tau agreement between
@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--drafter", action="append", default=[], help="HF DFlash dir (default: a random drafter)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cache-dir", default=None, help="trajectory cache to reuse (default: in memory only)")
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args()
     if args.threads:
@@ -58,7 +59,7 @@ def main() -> None:
                for r in eval_prompts(args.dataset, limit=args.prompts)]
     N = args.max_new_tokens
     layers = sorted({i for d in drafters.values() for i in d.target_layer_ids})
-    cache = TrajectoryCache(None, model, bundle.identity, max_new_tokens=N, stop_token_ids=bundle.stop_token_ids)
+    cache = TrajectoryCache(args.cache_dir, model, bundle.identity, max_new_tokens=N, stop_token_ids=bundle.stop_token_ids)
     t0 = time.perf_counter()
     trajs = cache.get(prompts, layers)
     t_cache = time.perf_counter() - t0

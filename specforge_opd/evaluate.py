@@ -147,8 +147,9 @@ def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pat
 class TrajectoryCache:
     """Greedy trajectories + features of one target, keyed by a hash, stored as safetensors.
 
-    The key covers the target identity, the prompt token ids (hence the chat
-    template and thinking setting), ``max_new_tokens`` and the stop tokens. One
+    The key covers the target identity, dtype and device type, the prompt token
+    ids (hence the chat template and thinking setting), ``max_new_tokens`` and
+    the stop tokens. One
     file per key holds every layer any evaluated drafter asked for; a drafter
     needing another layer triggers one teacher-forced target forward and the
     file is rewritten (atomically) with the union.
@@ -165,7 +166,9 @@ class TrajectoryCache:
 
     def key(self, prompt_ids: Sequence[int]) -> str:
         payload = json.dumps(
-            {"v": CACHE_VERSION, "target": self.identity, "prompt": list(map(int, prompt_ids)),
+            # dtype and device type too: a bf16 GPU trajectory is not an fp32 CPU one
+            {"v": CACHE_VERSION, "target": self.identity, "dtype": str(self.model.dtype), "device": self.model.device.type,
+             "prompt": list(map(int, prompt_ids)),
              "max_new_tokens": self.max_new_tokens, "stop": self.stop_token_ids},
             separators=(",", ":"),
         )
@@ -239,15 +242,39 @@ class TrajectoryCache:
 # exact offline replay
 
 
-class _Replay:
-    """One prompt's replay state: anchor, drafter KV cache, blocks so far, the block in flight."""
+class _ContextKV:
+    """Stands in for the drafter's KV cache: per layer, the context keys/values [B, nkv, S, hd].
 
-    def __init__(self, traj: Trajectory, sample_id: str, ctx: torch.Tensor, device):
-        self.traj, self.sample_id, self.ctx = traj, sample_id, ctx
+    The drafter's attention calls ``update(k, v, layer_idx, cache_kwargs)`` with
+    the keys/values of the rows it was given and attends to what it returns. In
+    ``capture`` mode it keeps them (one full-context forward fills it); otherwise
+    it returns the stored context with the block's keys/values appended, storing
+    nothing (each block sees its context and itself only).
+    """
+
+    def __init__(self, keys=None, values=None, capture: bool = False):
+        self.keys, self.values, self.capture = keys or {}, values or {}, capture
+
+    def update(self, k, v, layer_idx, cache_kwargs=None):
+        if self.capture:
+            self.keys[layer_idx], self.values[layer_idx] = k, v
+            return k, v
+        return torch.cat([self.keys[layer_idx], k], dim=2), torch.cat([self.values[layer_idx], v], dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if layer_idx not in self.keys else int(self.keys[layer_idx].shape[2])
+
+
+class _Replay:
+    """One prompt's replay state: trajectory, anchor, blocks so far, its context keys/values."""
+
+    def __init__(self, traj: Trajectory, sample_id: str):
+        self.traj, self.sample_id = traj, sample_id
         self.ids = traj.input_ids.tolist()
         self.E = len(self.ids)
         self.a = traj.prompt_len
-        self.cache = DynamicCache()
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [nkv, E-1, hd], RoPE applied
+        self.values: dict[int, torch.Tensor] = {}
         self.anchors: list[int] = []
         self.drafts: list[torch.Tensor] = []
         self.accepted: list[int] = []
@@ -271,6 +298,31 @@ class _Replay:
         )
 
 
+def _context_kv(drafter, embed, st: _Replay, layer_ids, mask: int, dtype, device) -> None:
+    """Every drafter layer's context keys/values for positions 0..E-2, in one forward.
+
+    A DFlash layer projects the same context rows (``hidden_norm(fc(features))``)
+    whatever the block, so the keys/values a KV cache would accumulate block by
+    block (``spec_generate``) are computed here once; a block at a_m then uses
+    the first a_m of them.
+    """
+    ctx = st.traj.context(layer_ids).to(device=device, dtype=dtype)  # [E-1, n*H]
+    n = ctx.shape[0]
+    bs = int(drafter.block_size)
+    cap = _ContextKV(capture=True)
+    block = torch.full((1, bs), mask, dtype=torch.long, device=device)
+    drafter(
+        target_hidden=ctx.unsqueeze(0),
+        noise_embedding=embed(block).to(dtype),
+        position_ids=torch.arange(n + bs, device=device).unsqueeze(0),
+        past_key_values=cap,
+        use_cache=True,
+        is_causal=False,
+    )
+    st.keys = {l: k[0, :, :n] for l, k in cap.keys.items()}
+    st.values = {l: v[0, :, :n] for l, v in cap.values.items()}
+
+
 @torch.inference_mode()
 def offline_tau(
     drafter,
@@ -283,18 +335,19 @@ def offline_tau(
 ) -> list[RolloutRecord]:
     """Replay ``drafter``'s speculative decoding at T=0 against cached greedy trajectories.
 
-    Per block: one drafter forward over [slot 0 = token at a_m, MASK x (bs-1)]
-    at positions a_m..a_m+bs-1, context features of positions < a_m (drafter KV
-    cache, as SpecForge's ``spec_generate``); drafts = argmax of the target's
-    lm_head at slots 1..bs-1 (slot k predicts position a_m + k, DESIGN.md block
-    layout); r_m = the longest prefix equal to the cached tokens, clipped to the
-    tokens the trajectory has (as the live engine clips the block that ends a
+    Per block: the drafter runs [slot 0 = token at a_m, MASK x (bs-1)] at
+    positions a_m..a_m+bs-1 over the context of positions < a_m (as SpecForge's
+    ``spec_generate`` with its KV cache); drafts = argmax of the target's lm_head
+    at slots 1..bs-1 (slot k predicts position a_m + k, DESIGN.md block layout);
+    r_m = the longest prefix equal to the cached tokens, clipped to the tokens
+    the trajectory has (as the live engine clips the block that ends a
     sequence); a_{m+1} = a_m + r_m + 1. No target forward.
 
-    Cost: prompts advance in lockstep, one block each per round; the lm_head
-    (memory-bound: the whole [V, H] weight per call) runs once per round for all
-    prompts, over slots in chunks of 1, 2, 4, ... per prompt, stopping after
-    the chunk holding the first mismatch (later slots cannot change the verdict).
+    Cost: the context keys/values of each trajectory are computed once
+    (``_context_kv``); prompts then advance in lockstep, one block each per
+    round, in one batched drafter forward (contexts right-padded, masked) and a
+    chunked lm_head (slots 1, 2-3, 4-7, ...) that stops, per prompt, after the
+    chunk holding the first mismatch: later slots cannot change the verdict.
 
     Args:
         drafter: ``DFlashDraftModel`` (eval mode).
@@ -312,43 +365,53 @@ def offline_tau(
     drafter.eval()
     layer_ids = drafter_layer_ids(drafter)
     bs = int(drafter.block_size)
-    mask = drafter_mask_token_id(drafter)
+    mask_id = drafter_mask_token_id(drafter)
     dtype = next(drafter.parameters()).dtype
     device = next(drafter.parameters()).device
     embed = target_model.get_input_embeddings()
     w = target_model.get_output_embeddings().weight
-    states = [_Replay(tr, sid, tr.context(layer_ids).to(device=device, dtype=dtype), device) for tr, sid in zip(trajectories, sample_ids)]
+    states = [_Replay(tr, sid) for tr, sid in zip(trajectories, sample_ids)]
     total = sum(s.E - 1 - s.a for s in states)
     bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=None if total >= 2048 else True)
+    for s in states:
+        if not s.done:
+            _context_kv(drafter, embed, s, layer_ids, mask_id, dtype, device)
     active = [s for s in states if not s.done]
+    n_layers = len(drafter.layers)
     while active:
-        # one drafter forward per prompt (contexts differ in length; the drafter is small)
-        hidden = []
-        for s in active:
-            block = torch.full((1, bs), mask, dtype=torch.long, device=device)
-            block[0, 0] = s.ids[s.a]
-            seen = s.cache.get_seq_length()
-            h = drafter(
-                target_hidden=s.ctx[seen : s.a].unsqueeze(0),
-                noise_embedding=embed(block).to(dtype),
-                position_ids=torch.arange(seen, s.a + bs, device=device).unsqueeze(0),
-                past_key_values=s.cache,
-                use_cache=True,
-                is_causal=False,
-            )
-            s.cache.crop(s.a)
-            hidden.append(h[0, 1:].to(w.dtype))  # slots 1..bs-1
-        # verdicts: chunked lm_head, batched over the prompts still undecided
         n = len(active)
+        anchors = torch.tensor([s.a for s in active], device=device)
+        S = int(anchors.max())
+        keys, values = {}, {}
+        for l in range(n_layers):
+            k0 = active[0].keys[l]
+            keys[l] = k0.new_zeros((n, k0.shape[0], S, k0.shape[2]))
+            values[l] = k0.new_zeros((n, k0.shape[0], S, k0.shape[2]))
+            for i, s in enumerate(active):
+                keys[l][i, :, : s.a] = s.keys[l][:, : s.a]
+                values[l][i, :, : s.a] = s.values[l][:, : s.a]
+        # attend to the row's own context (pad slots masked) and to its whole block
+        attend = torch.arange(S, device=device).unsqueeze(0) < anchors.unsqueeze(1)
+        attend = torch.cat([attend, torch.ones(n, bs, dtype=torch.bool, device=device)], dim=1)
+        block = torch.full((n, bs), mask_id, dtype=torch.long, device=device)
+        block[:, 0] = torch.tensor([s.ids[s.a] for s in active], device=device)
+        h = drafter(
+            target_hidden=torch.zeros((n, 0, drafter.fc.in_features), dtype=dtype, device=device),
+            noise_embedding=embed(block).to(dtype),
+            position_ids=anchors.unsqueeze(1) + torch.arange(bs, device=device),
+            attention_mask=attend[:, None, None, :].expand(n, 1, bs, S + bs),
+            past_key_values=_ContextKV(keys, values),
+            use_cache=True,
+        )[:, 1:].to(w.dtype)  # slots 1..bs-1
         d = torch.full((n, bs - 1), -1, dtype=torch.long)
         r = [0] * n
         limit = [min(bs - 1, s.E - 1 - s.a) for s in active]  # drafted slots the trajectory can judge
-        open_ = [limit[i] > 0 or full_drafts for i in range(n)]
+        open_ = [True] * n
         k0, width = 0, 1
         while k0 < bs - 1 and any(open_):
             k1 = min(k0 + width, bs - 1)
             rows = [i for i in range(n) if open_[i]]
-            d[rows, k0:k1] = (torch.stack([hidden[i][k0:k1] for i in rows]) @ w.T).argmax(-1).cpu()
+            d[rows, k0:k1] = (h[rows, k0:k1] @ w.T).argmax(-1).cpu()
             for i in rows:
                 s = active[i]
                 for k in range(k0, min(k1, limit[i])):
