@@ -342,3 +342,22 @@ def test_cli_bad_input_exits_cleanly(tmp_path, capsys):
     assert _parse_drafters(["a=/x/y", "/p/q"]) == {"a": __import__("pathlib").Path("/x/y"), "q": __import__("pathlib").Path("/p/q")}
     with pytest.raises(Exception, match="twice"):
         _parse_drafters(["/a/d", "/b/d"])
+
+
+def test_evaluate_live_sampling_over_seeds_and_speedup(tmp_path, tiny_setup):
+    """T > 0: live decoding per seed, mean and spread reported; speedup fields measured in the same run."""
+    target, prompts, _, trained = tiny_setup
+    d = save_drafter(trained, tmp_path / "trained")
+    cfg = load_config(None, ["eval.temperature=0.8", "eval.seeds=[0,1,2]", "eval.max_new_tokens=12", "eval.batch_size=2",
+                             "eval.speedup=true", "eval.speedup_num_prompts=2", f"eval.cache_dir={tmp_path / 'c'}"])
+    res = evaluate(cfg, {"t": d}, tmp_path / "out", target=_target_ns(target), prompt_sets={"s": (prompts[:4], list("abcd"))})
+    assert res["method"] == "live"
+    s = res["drafters"]["t"]["datasets"]["s"]
+    taus = [x["tau"] for x in s["seeds"]]
+    assert [x["seed"] for x in s["seeds"]] == [0, 1, 2]
+    assert s["tau"] == pytest.approx(sum(taus) / 3)
+    assert s["tau_min"] == min(taus) and s["tau_max"] == max(taus) and s["tau_std"] >= 0
+    sp = s["speedup"]
+    assert sp["num_prompts"] == 2 and sp["ar_s_per_token"] > 0 and sp["spec_s_per_token"] > 0
+    assert sp["speedup"] == pytest.approx(sp["ar_s_per_token"] / sp["spec_s_per_token"])
+    assert "±" in (tmp_path / "out" / "eval.md").read_text()
