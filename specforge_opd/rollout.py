@@ -295,6 +295,8 @@ class SpeculativeEngine:
         from .drafter import check_compatible
 
         check_compatible(drafter.config, target_model.config, expected_mask_token_id=int(mask_token_id))
+        if getattr(drafter, "sliding_window", None) is not None:
+            raise RolloutError("drafters with sliding-window layers are not supported by the embedded rollout; use full_attention layers")
         if too_long not in ("error", "truncate_left", "skip"):
             raise RolloutError(f"target.too_long={too_long!r}: use error, truncate_left or skip")
         self.target = target_model.eval()
@@ -541,14 +543,10 @@ class SpeculativeEngine:
             if int(t) in self.stop_token_ids:
                 row.finished = True
                 break
-        if row.finished or len(row.tokens) - row.prompt_len >= self.rcfg.max_new_tokens:
-            row.done = True
-            if block is not None:
-                kept_in_block = added  # tokens after the anchor that this block kept
-                row.accepted.append(min(block, kept_in_block))
-                return added
+        row.done = row.finished or len(row.tokens) - row.prompt_len >= self.rcfg.max_new_tokens
         if block is not None:
-            row.accepted.append(block)
+            # ``added`` tokens follow the anchor; a block cut short keeps only those as accepted
+            row.accepted.append(min(block, added))
         return added
 
     def _teacher(self, hidden, logits, drafts) -> dict:

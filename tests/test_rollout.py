@@ -339,11 +339,9 @@ def test_random_anchors(target, drafter):
         greedy = target.lm_head(hidden).argmax(-1)
         acc = (rec.drafts == greedy[:, :-1]).long().cumprod(1).sum(1)
         assert torch.equal(acc, rec.accepted)
-        m = 0
+        m = 0  # teacher (full form) at slot 2 = target output after [anchor token, d_1]
         a = int(rec.anchors[m])
         ctx = rec.input_ids[: a + 1].tolist() + rec.drafts[m, :1].tolist()
-        lp = torch.log_softmax(target(torch.tensor([ctx])).logits[0, -1], -1)
-        assert float(rec.teacher_draft_logprob[m, 1]) == pytest.approx(float(lp[rec.drafts[m, 1]]), abs=1e-4) if rec.teacher_draft_logprob is not None else True
         torch.testing.assert_close(rec.teacher_hidden[m, 1], target.model(torch.tensor([ctx])).last_hidden_state[0, -1], atol=1e-4, rtol=1e-4)
 
 
