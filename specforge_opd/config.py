@@ -140,9 +140,6 @@ class TrainingConfig(Section):
     #: Stop after this many non-finite steps in a row.
     max_nonfinite_steps: int = Field(default=3, gt=0)
     log_interval: int = Field(default=1, gt=0)
-
-
-class SFTConfig(Section):
     #: OPD trainer: save a resumable checkpoint every this many optimizer steps (and at the end).
     checkpoint_interval: int = Field(default=50, gt=0)
     #: OPD trainer: "auto" = bf16 params/compute on GPUs (fp32 master weights and
@@ -150,6 +147,9 @@ class SFTConfig(Section):
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
     #: OPD trainer: reshuffle the records every epoch (seeded by training.seed + epoch).
     shuffle: bool = True
+
+
+class SFTConfig(Section):
     """The SFT stage (``specforge_opd.sft``)."""
 
     #: Generate responses greedily (temperature 0) or sampled.
