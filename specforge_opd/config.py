@@ -165,6 +165,12 @@ class SFTConfig(Section):
     verify_max_new_tokens: int = Field(default=32, gt=0)
     #: SpecForge run-config overrides passed through verbatim (section.field: value).
     specforge_overrides: dict[str, Any] = Field(default_factory=dict)
+    #: Another SFT output dir whose finished responses/features steps (same input hash) are reused.
+    reuse_from: Optional[str] = None
+    #: Warm-start drafter weights (HF DFlash dir or SpecForge checkpoint): continued SFT.
+    init_drafter: Optional[str] = None
+    #: Stop after this many optimizer steps; the cosine schedule spans them (None: epochs decide).
+    max_steps: Optional[int] = Field(default=None, gt=0)
 
 
 class OPDConfig(Section):

@@ -101,6 +101,20 @@ def step_dir(out: Path, step: str, key: str) -> Path:
     return out / f"{step}-{key[:12]}"
 
 
+def _reusable_step(cfg: ExperimentConfig, out: Path, step: str, key: str) -> Path:
+    """``out``'s directory for ``step``, or a finished one with the same key under ``sft.reuse_from``.
+
+    Continued SFT (the matched-FLOPs baseline) trains on the first stage's cached
+    features instead of generating and capturing them again.
+    """
+    own = step_dir(out, step, key)
+    if not is_done(own, key) and cfg.sft.reuse_from:
+        other = step_dir(Path(cfg.resolve_path(cfg.sft.reuse_from)), step, key)
+        if is_done(other, key):
+            return other
+    return own
+
+
 def is_done(d: Path, key: str) -> bool:
     """True when ``d`` holds a finished step whose marker records ``key``."""
     m = d / MARKER
@@ -556,7 +570,11 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
     t = cfg.training
     # SpecForge drops the last partial batch: steps = samples // (batch * ranks) * epochs // accumulation
     steps_per_epoch = max(1, num_samples // (t.batch_size * max(1, gpus)) // t.accumulation_steps)
-    total = steps_per_epoch * t.num_epochs
+    num_epochs = t.num_epochs
+    if cfg.sft.max_steps is not None:
+        # enough epochs to reach max_steps; SpecForge stops at max_steps and its schedule spans them
+        num_epochs = max(num_epochs, math.ceil(cfg.sft.max_steps / steps_per_epoch))
+    total = cfg.sft.max_steps or steps_per_epoch * num_epochs
     run = {
         "run_id": SPECFORGE_RUN_ID,
         "output_dir": str(out_dir),
@@ -572,7 +590,7 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
         },
         "training": {
             "strategy": "dflash",
-            "num_epochs": t.num_epochs,
+            "num_epochs": num_epochs,
             "batch_size": t.batch_size,
             "accumulation_steps": t.accumulation_steps,
             "learning_rate": t.learning_rate,
@@ -588,6 +606,10 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
             "attention_backend": t.attention_backend,
         },
     }
+    if cfg.sft.max_steps is not None:
+        run["training"]["max_steps"] = int(cfg.sft.max_steps)
+    if cfg.sft.init_drafter:
+        run["model"]["draft_checkpoint_path"] = str(cfg.resolve_path(cfg.sft.init_drafter))
     if gpus == 0:
         if t.attention_backend == "flex_attention":
             warnings.warn("training.attention_backend=flex_attention has no CPU backward; SFT uses sdpa on CPU",
@@ -649,6 +671,7 @@ def run_train(d: Path, run: dict, cfg: ExperimentConfig, gpus: int) -> dict:
     if latest is not None:
         run = json.loads(json.dumps(run))
         run["training"]["resume_from"] = str(ckpts)
+        run["model"].pop("draft_checkpoint_path", None)  # SpecForge: warm start and full resume are exclusive
         print(f"[sft train] resuming SpecForge from {latest.name}", flush=True)
     validate_specforge_run(run)
     run_yaml = d / "run.yaml"
@@ -970,7 +993,7 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                 "chunk": cfg.sft.chunk_prompts, "seed": cfg.data.seed, "stop": list(cfg.target.stop_token_ids),
                 "backend": cfg.rollout.backend}
     r_key = hash_inputs(r_inputs)
-    r_dir = step_dir(out, "responses", r_key)
+    r_dir = _reusable_step(cfg, out, "responses", r_key)
     if is_done(r_dir, r_key):
         skipped.append("responses")
         print(f"[sft responses] done already: {r_dir}", flush=True)
@@ -985,7 +1008,7 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     f_inputs = {"responses": r_key, "target": tid, "layer_ids": layer_ids, "max_context": cfg.target.max_context,
                 "dtype": cfg.target.dtype}
     f_key = hash_inputs(f_inputs)
-    f_dir = step_dir(out, "features", f_key)
+    f_dir = _reusable_step(cfg, out, "features", f_key)
     if is_done(f_dir, f_key):
         skipped.append("features")
         print(f"[sft features] done already: {f_dir}", flush=True)
@@ -1000,7 +1023,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     gpus = _gpu_count() if on_gpu(cfg) else 0
     dcfg_dict = draft_config_dict(dcfg)
     t_inputs = {"features": f_key, "draft": dcfg_dict, "training": cfg.training.model_dump(mode="json"),
-                "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus}
+                "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus,
+                "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
     t_key = hash_inputs(t_inputs)
     t_dir = step_dir(out, "train", t_key)
     if is_done(t_dir, t_key):
@@ -1022,6 +1046,7 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     # -- export
     t0 = time.time()
     from .drafter import read_drafter_metadata, save_drafter
+    from .flops import FlopsLedger
 
     final = out / "final"
     meta = read_drafter_metadata(final) if final.is_dir() else {}
@@ -1036,9 +1061,16 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
         verify = verify_export(model, b.model, held, list(b.stop_token_ids), cfg.sft.verify_max_new_tokens)
         print(f"[sft export] speculative decode == greedy on {verify['prompts']} prompts; tau {verify['tau']:.3f}",
               flush=True)
+        train_stats = json.loads((t_dir / MARKER).read_text())["stats"]
+        responses = read_responses(r_dir)
+        ledger = sft_flops(cfg, dcfg, target_config, responses, steps=int(train_stats["step"]),
+                           captured_here=r_dir.resolve().is_relative_to(out.resolve()))
+        if cfg.sft.init_drafter:
+            ledger = FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops")).add(ledger)
         save_drafter(model, final, metadata={"stage": "sft", "sft_key": t_key, "specforge_checkpoint": str(ckpt),
                                              "target": tpath, "target_identity": tid, "samples": n_samples,
-                                             "verify": verify})
+                                             "step": int(train_stats["step"]), "verify": verify,
+                                             "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict()})
         from .drafter import load_drafter
 
         load_drafter(final, target_config=target_config)  # the export must load back through the public loader
@@ -1051,6 +1083,28 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     print(f"[sft] done: {final} | " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items())
           + f" | disk {report['disk_bytes']['total'] / 2**20:.1f} MiB", flush=True)
     return final
+
+
+def sft_flops(cfg: ExperimentConfig, draft_config, target_config, responses: list, *, steps: int,
+              captured_here: bool = True) -> "FlopsLedger":
+    """FLOPs of this SFT run (``specforge_opd.flops`` conventions).
+
+    ``drafter_train`` = steps x batch_size x the mean per-sequence cost of SpecForge's
+    DFlash SFT (``flops.sft_step_flops`` with ``training.num_anchors``) over the
+    training samples. ``target_capture`` = response generation (plain decoding)
+    plus the feature capture forward of every sample; 0 when the responses and
+    features were reused from another run (``sft.reuse_from``: already paid there).
+    """
+    from .flops import FlopsLedger, autoregressive_target_flops, capture_target_flops, sft_step_flops
+
+    lens = [len(r.prompt_ids) + len(r.response_ids) for r in responses] or [0]
+    per_seq = sum(sft_step_flops(draft_config, seq_len=n, num_anchors=cfg.training.num_anchors)["total"] for n in lens) / len(lens)
+    ledger = FlopsLedger(drafter_train=float(per_seq * cfg.training.batch_size * cfg.training.accumulation_steps * steps))
+    if captured_here:
+        for r in responses:
+            ledger.target_capture += autoregressive_target_flops(target_config, prompt_len=len(r.prompt_ids), new_tokens=len(r.response_ids))
+            ledger.target_capture += capture_target_flops(target_config, seq_len=len(r.prompt_ids) + len(r.response_ids))
+    return ledger
 
 
 def _gpu_count() -> int:

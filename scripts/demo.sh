@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main job on the embedded default (what `make demo` runs after set-up):
+# SFT -> OPD -> the matched-FLOPs SFT baseline -> evaluation table on held-out sets.
+# Every stage resumes: rerunning after a kill continues where it stopped.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY=.venv/bin/python
+stage() { printf '\n=== %s (%s) ===\n' "$1" "$(date +%H:%M:%S)"; }
+t0=$(date +%s)
+stage "assets"
+.venv/bin/specforge-opd prepare-assets
+stage "SFT: scripts/train_sft.sh configs/tiny/sft.yaml"
+bash scripts/train_sft.sh configs/tiny/sft.yaml "$@"
+stage "OPD: scripts/train_opd.sh configs/tiny/opd.yaml"
+bash scripts/train_opd.sh configs/tiny/opd.yaml "$@"
+stage "matched-FLOPs SFT baseline + evaluation"
+$PY -m specforge_opd.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml "$@"
+echo
+echo "demo finished in $(( $(date +%s) - t0 ))s; OPD report: runs/tiny/opd/report.md"

@@ -1,0 +1,119 @@
+"""The main job's comparison (issue 9): SFT vs matched-FLOPs SFT vs OPD, tau per held-out set.
+
+(a) the SFT drafter; (b) the SFT drafter trained further by SFT (SpecForge, on the
+SFT stage's cached features, fresh warmup + cosine) for the same extra
+drafter-training FLOPs as the OPD stage spent; (c) the OPD drafter. The FLOPs
+come from the drafters' metadata (``specforge_opd.flops``): the OPD stage's
+``drafter_budget`` (drafter forward + backward + the teacher's lm_head) divided
+by the cost of one SFT optimizer step on the cached samples gives (b)'s steps.
+
+``python -m specforge_opd.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .config import load_config
+from .drafter import read_drafter_metadata
+
+
+def matched_sft_steps(sft_cfg, sft_out: Path, opd_final: Path) -> tuple[int, float, float]:
+    """(steps, OPD drafter FLOPs, FLOPs per SFT step) for the matched-FLOPs baseline.
+
+    Raises:
+        ValueError: the OPD export has no FLOPs metadata, or no finished SFT responses exist.
+    """
+    from transformers import AutoConfig
+
+    from .drafter import load_draft_config
+    from .flops import FlopsLedger
+    from .sft import MARKER, read_responses, sft_flops
+
+    meta = read_drafter_metadata(opd_final)
+    if "flops" not in meta:
+        raise ValueError(f"{opd_final}: no flops metadata (not an OPD export of this project)")
+    opd = FlopsLedger.from_dict(meta["flops"]).drafter_budget
+    rdirs = [d for d in sorted(sft_out.glob("responses-*")) if (d / MARKER).is_file()]
+    if not rdirs:
+        raise ValueError(f"{sft_out}: no finished SFT responses (run scripts/train_sft.sh first)")
+    responses = read_responses(rdirs[-1])
+    dcfg = load_draft_config(sft_out / "final")
+    tcfg = AutoConfig.from_pretrained(read_drafter_metadata(sft_out / "final")["target"])
+    per_step = sft_flops(sft_cfg, dcfg, tcfg, responses, steps=1, captured_here=False).drafter_train
+    return max(1, math.ceil(opd / per_step)), opd, per_step
+
+
+def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None, overrides: Optional[list[str]] = None) -> Path:
+    """Train (b), the matched-FLOPs SFT drafter; returns its export directory."""
+    from .sft import run_sft
+
+    sft_cfg = load_config(sft_config, overrides)
+    opd_cfg = load_config(opd_config, overrides)
+    sft_out = Path(sft_cfg.resolve_path(sft_cfg.output.dir))
+    opd_final = Path(opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
+    steps, opd_flops, per_step = matched_sft_steps(sft_cfg, sft_out, opd_final)
+    out = out or sft_out.parent / "sft_matched"
+    print(f"[compare] OPD spent {opd_flops:.3e} drafter FLOPs; one SFT step costs {per_step:.3e}: "
+          f"continuing SFT for {steps} steps -> {out}", file=sys.stderr)
+    cfg = load_config(sft_config, list(overrides or []) + [
+        f"output.dir={out}", f"sft.reuse_from={sft_out}", f"sft.init_drafter={sft_out / 'final'}", f"sft.max_steps={steps}",
+    ])
+    return run_sft(cfg)
+
+
+def table(result: dict, names: list[str]) -> str:
+    """Markdown table of tau per dataset (rows) and drafter (columns), with the mean."""
+    dsets = list(next(iter(result["drafters"].values()))["datasets"])
+    lines = ["| dataset | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    means = {n: [] for n in names}
+    for ds in dsets:
+        cells = []
+        for n in names:
+            t = result["drafters"][n]["datasets"][ds]["tau"]
+            means[n].append(t)
+            cells.append(f"{t:.3f}")
+        lines.append(f"| {ds} | " + " | ".join(cells) + " |")
+    lines.append("| **mean** | " + " | ".join(f"**{sum(v) / len(v):.3f}**" for v in means.values()) + " |")
+    flops = []
+    for n in names:
+        f = (result["drafters"][n].get("flops") or {}).get("drafter_budget")
+        flops.append("-" if f is None else f"{f:.2e}")
+    lines.append("| drafter-training FLOPs (cumulative) | " + " | ".join(flops) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specforge_opd.compare", description=__doc__.splitlines()[0])
+    p.add_argument("--sft-config", required=True)
+    p.add_argument("--opd-config", required=True)
+    p.add_argument("--out", help="where eval.json/eval.md/comparison.md go (default <opd output.dir>/comparison)")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides applied to both configs")
+    args = p.parse_args(argv)
+    from .evaluate import evaluate
+
+    sft_cfg = load_config(args.sft_config, args.overrides)
+    opd_cfg = load_config(args.opd_config, args.overrides)
+    sft_final = Path(sft_cfg.resolve_path(sft_cfg.output.dir)) / "final"
+    opd_final = Path(opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
+    matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides)
+    drafters = {"SFT": sft_final, "SFT + matched-FLOPs SFT": matched, "SFT + OPD": opd_final}
+    out = Path(args.out) if args.out else opd_final.parent / "comparison"
+    result = evaluate(opd_cfg, drafters, out)
+    text = table(result, list(drafters))
+    (out / "comparison.md").write_text(
+        f"# tau on held-out sets (offline exact replay at T=0; {opd_cfg.eval.num_prompts} prompts per set, "
+        f"{opd_cfg.eval.max_new_tokens} new tokens)\n\n{text}\n"
+    )
+    print(text)
+    print(f"\n(eval.json, eval.md, plots and comparison.md in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
