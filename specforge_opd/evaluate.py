@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -43,7 +42,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from .config import ConfigError, ExperimentConfig
 from .drafter import (
@@ -95,30 +93,11 @@ class Trajectory:
 
 
 def _greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int]) -> list[list[int]]:
-    """The target's greedy response tokens per prompt (stop token kept, then cut)."""
-    try:  # the rollout engine's batched decoder, when present, is the one live decoding uses
-        from .rollout import autoregressive_generate
-    except ImportError:
-        autoregressive_generate = None
-    if autoregressive_generate is not None:
-        outs = autoregressive_generate(model, prompts, max_new_tokens, list(stop_token_ids), temperature=0.0, seed=0)
-        return [_cut(list(o), max_new_tokens, stop_token_ids) for o in outs]
-    outs = []
-    device = model.device
-    for p in prompts:
-        cache = DynamicCache()
-        ids = torch.tensor([p], device=device)
-        gen: list[int] = []
-        with torch.inference_mode():
-            logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            while True:
-                tok = int(logits[0, -1].argmax())
-                gen.append(tok)
-                if tok in stop_token_ids or len(gen) >= max_new_tokens:
-                    break
-                logits = model(torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True).logits
-        outs.append(gen)
-    return outs
+    """The target's greedy response tokens per prompt, by the decoder live evaluation's baseline uses."""
+    from .rollout import autoregressive_generate
+
+    outs = autoregressive_generate(model, prompts, max_new_tokens, list(stop_token_ids), temperature=0.0, seed=0)
+    return [_cut(list(o), max_new_tokens, stop_token_ids) for o in outs]
 
 
 def _cut(tokens: list[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> list[int]:
@@ -155,8 +134,10 @@ class TrajectoryCache:
     file is rewritten (atomically) with the union.
     """
 
-    def __init__(self, root: Optional[os.PathLike], target_model, target_identity: str, *, max_new_tokens: int, stop_token_ids: Sequence[int]):
+    def __init__(self, root: Optional[os.PathLike], target_model, target_identity: str, *, max_new_tokens: int,
+                 stop_token_ids: Sequence[int], batch_size: int = 8):
         self.root = Path(root) if root is not None else None
+        self.batch_size = int(batch_size)
         self.model = target_model
         self.identity = str(target_identity)
         self.max_new_tokens = int(max_new_tokens)
@@ -214,28 +195,34 @@ class TrajectoryCache:
         return feats, (top2[:, 0] - top2[:, 1]).cpu()
 
     def get(self, prompts: list[list[int]], layer_ids: Iterable[int], desc: str = "target trajectories") -> list[Trajectory]:
-        """Trajectories for ``prompts`` holding at least ``layer_ids``; computes and stores what is missing."""
+        """Trajectories for ``prompts`` holding at least ``layer_ids``; computes and stores what is missing.
+
+        Missing trajectories are decoded ``batch_size`` prompts at a time and each
+        chunk is stored before the next starts, so an interrupted fill resumes.
+        """
         layer_ids = sorted({int(i) for i in layer_ids})
         keys = [self.key(p) for p in prompts]
         found = [self._load(k) for k in keys]
         todo = [i for i, tr in enumerate(found) if tr is None]
-        if todo:
+        for c in tqdm(range(0, len(todo), self.batch_size), desc=desc, leave=False, disable=None if todo else True):
+            chunk = todo[c : c + self.batch_size]
             self.target_calls += 1
-            gens = _greedy_generate(self.model, [prompts[i] for i in todo], self.max_new_tokens, self.stop_token_ids)
-            for i, gen in zip(todo, gens):
+            gens = _greedy_generate(self.model, [prompts[i] for i in chunk], self.max_new_tokens, self.stop_token_ids)
+            for i, gen in zip(chunk, gens):
                 ids = torch.tensor(list(prompts[i]) + gen, dtype=torch.long)
                 finished = bool(gen) and gen[-1] in self.stop_token_ids
-                found[i] = Trajectory(ids, len(prompts[i]), {}, torch.zeros(0), finished)
-        out = []
-        for i, (k, tr) in enumerate(tqdm(list(zip(keys, found)), desc=desc, leave=False, disable=None)):
-            missing = [l for l in layer_ids if l not in tr.features]
-            if missing or tr.top2_gap.numel() != tr.input_ids.numel() - 1:
-                feats, gap = self._capture(tr.input_ids, sorted(set(missing) | set(tr.features)))
-                tr.features.update(feats)
-                tr.top2_gap = gap
-                self._save(k, tr)
-            out.append(tr)
-        return out
+                found[i] = self._complete(keys[i], Trajectory(ids, len(prompts[i]), {}, torch.zeros(0), finished), layer_ids)
+        return [self._complete(k, tr, layer_ids) for k, tr in zip(keys, found)]
+
+    def _complete(self, key: str, tr: Trajectory, layer_ids: list[int]) -> Trajectory:
+        """Add missing layers (and the top-2 gaps) with one teacher-forced forward, then store."""
+        missing = [l for l in layer_ids if l not in tr.features]
+        if missing or tr.top2_gap.numel() != tr.input_ids.numel() - 1:
+            feats, gap = self._capture(tr.input_ids, sorted(set(missing) | set(tr.features)))
+            tr.features.update(feats)
+            tr.top2_gap = gap
+            self._save(key, tr)
+        return tr
 
 
 # ---------------------------------------------------------------------------
@@ -655,7 +642,8 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
     if offline and ecfg.temperature != 0.0:
         raise ConfigError(f"eval.mode=offline is exact only at temperature 0 (eval.temperature={ecfg.temperature}); use mode=auto or live")
     cache_root = Path(ecfg.cache_dir) if ecfg.cache_dir else out / "trajectory_cache"
-    cache = TrajectoryCache(cache_root, model, target.identity, max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop_ids)
+    cache = TrajectoryCache(cache_root, model, target.identity, max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop_ids,
+                            batch_size=max(ecfg.batch_size, 8))
     all_layers = sorted({i for d in drafters.values() for i in drafter_layer_ids(d)})
 
     result: dict[str, Any] = {

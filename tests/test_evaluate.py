@@ -15,7 +15,6 @@ the target's top-2 logit gap is < 1e-4, and the comparison of that prompt stops 
 from __future__ import annotations
 
 import json
-import sys
 import types
 
 import pytest
