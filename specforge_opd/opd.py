@@ -97,12 +97,16 @@ def _pool(cfg: ExperimentConfig, tokenizer=None):
 def dry_run(cfg: ExperimentConfig) -> OPDPlan:
     """Print the plan (schedule, spool estimate, drafter) without loading any weights."""
     hidden, n_target, n_captured = _target_dims(cfg)
-    try:
+    from .prompts import HUB_SOURCES
+
+    remote = [s for s in cfg.data.train_sources if s in HUB_SOURCES and s not in cfg.data.local_files]
+    if remote:
+        # a dry run never reaches for the hub: plan from the configured counts
+        pool_size = cfg.data.num_prompts or sum(cfg.data.source_limits.values())
+        pool_note = f"hub sources {remote} not loaded by a dry run; planning with the configured {pool_size} prompts"
+    else:
         pool, stats = _pool(cfg)
         pool_size, pool_note = len(pool), f"{stats}"
-    except Exception as e:  # hub-only sources are not available offline; plan from the configured count
-        pool_size = cfg.data.num_prompts or sum(cfg.data.source_limits.values())
-        pool_note = f"prompt sources not loadable here ({type(e).__name__}: {str(e).splitlines()[0][:160]}); planning with {pool_size} prompts"
     plan = make_plan(cfg, pool_size, hidden, n_captured)
     print(f"OPD plan for {cfg.name} (target hidden {hidden}, {n_target} layers; drafter {cfg.draft.num_hidden_layers} layers, block_size {cfg.draft.block_size})")
     print(f"  prompt pool: {pool_size} ({pool_note})")

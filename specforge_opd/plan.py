@@ -51,18 +51,22 @@ def estimate_sequence_bytes(cfg: ExperimentConfig, hidden_size: int, num_layers_
     ``data.max_prompt_tokens``; blocks M <= response tokens (tau >= 1).
     Features: (T-1) * n_layers * H * dtype bytes (when ``rollout.store_features``).
     Teacher per drafted slot: ``full`` H * dtype bytes; ``topk`` k * (8 + 4) + 4;
-    ``token`` 4. Tokens/anchors/drafts/accepted: int64.
+    ``token`` 4 (also when the trainer recomputes features and teacher:
+    ``rollout.store_features: false`` with ``training.feature_source: target``). Tokens/anchors/drafts/accepted: int64.
     """
     dt = _DTYPE_BYTES[cfg.target.dtype]
     T = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     M = cfg.rollout.max_new_tokens
     slots = M * (cfg.draft.block_size - 1)
     feats = (T - 1) * num_layers_captured * hidden_size * dt if cfg.rollout.store_features else 0
+    form = cfg.rollout.teacher
+    if not cfg.rollout.store_features and cfg.training.feature_source == "target":
+        form = "token"  # the trainer recomputes the teacher; shards carry the drafted tokens' log-probs at most
     teacher = {
         "full": hidden_size * dt,
         "topk": cfg.rollout.teacher_topk * 12 + 4,
         "token": 4,
-    }[cfg.rollout.teacher] * slots
+    }[form] * slots
     ints = 8 * (T + 2 * M + slots)
     return int(feats + teacher + ints)
 

@@ -37,3 +37,20 @@ def test_bad_multiple():
     cfg = load_config(None, ["opd.prompts_per_step=3", "opd.prompts_per_iteration=8"])
     with pytest.raises(PlanError, match="multiple"):
         make_plan(cfg, pool_size=10, hidden_size=64, num_layers_captured=2)
+
+
+@pytest.mark.parametrize("size", ["4b", "8b", "30b-a3b"])
+def test_qwen3_opd_configs_plan_offline(size, capsys):
+    """The paper-scale configs resolve and plan here from the packaged Qwen3 config fixtures."""
+    from pathlib import Path
+
+    from specforge_opd.opd import dry_run
+
+    root = Path(__file__).resolve().parents[1]
+    plan = dry_run(load_config(root / "configs" / f"qwen3-{size}" / "opd.yaml"))
+    out = capsys.readouterr().out
+    assert plan.pool_size == 16000 and plan.epochs == 8
+    assert plan.total_steps == 16000 * 8 // 64 and plan.warmup_steps == round(0.05 * plan.total_steps)
+    assert "hub sources" in out and "total_steps" in out
+    # native mode: the trainer recomputes features and teacher, so the spool holds tokens and log-probs only
+    assert plan.est_spool_bytes_per_iteration < plan.spool_budget_bytes
