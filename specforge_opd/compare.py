@@ -49,14 +49,18 @@ def matched_sft_steps(sft_cfg, sft_out: Path, opd_final: Path) -> tuple[int, flo
     return max(1, math.ceil(opd / per_step)), opd, per_step
 
 
-def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None, overrides: Optional[list[str]] = None) -> Path:
-    """Train (b), the matched-FLOPs SFT drafter; returns its export directory."""
+def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None, overrides: Optional[list[str]] = None,
+                    opd_out: Optional[Path] = None) -> Path:
+    """Train (b), the matched-FLOPs SFT drafter; returns its export directory.
+
+    ``opd_out`` is the OPD run to match (default: the OPD config's ``output.dir``).
+    """
     from .sft import run_sft
 
     sft_cfg = load_config(sft_config, overrides)
     opd_cfg = load_config(opd_config, overrides)
     sft_out = Path(sft_cfg.resolve_path(sft_cfg.output.dir))
-    opd_final = Path(opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
+    opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     steps, opd_flops, per_step = matched_sft_steps(sft_cfg, sft_out, opd_final)
     out = out or sft_out.parent / "sft_matched"
     print(f"[compare] OPD spent {opd_flops:.3e} drafter FLOPs; one SFT step costs {per_step:.3e}: "
