@@ -127,20 +127,6 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
 # rollout phase
 
 
-def _done_sample_ids(shard_dir: Path) -> set[str]:
-    """Sample ids already in complete shards of ``shard_dir`` (the manifest lists only complete ones)."""
-    from safetensors import safe_open
-
-    man = shard_dir / "manifest.json"
-    if not man.is_file():
-        return set()
-    done: set[str] = set()
-    for entry in json.loads(man.read_text()).get("shards", []):
-        with safe_open(str(shard_dir / entry["file"]), framework="pt") as h:
-            done.update(json.loads(h.metadata()["sample_ids"]))
-    return done
-
-
 def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: dict, drafter_step: int) -> dict:
     """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip batches already written.
 
@@ -149,10 +135,10 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     """
     from tqdm import tqdm
 
-    from .shards import ShardWriter, read_shards
+    from .shards import ShardWriter, read_shards, written_sample_ids
 
     writer = ShardWriter(shard_dir, meta)
-    done = _done_sample_ids(shard_dir)
+    done = written_sample_ids(shard_dir)
     todo = [p for p in prompts if p[0] not in done]
     bs = cfg.rollout.batch_size
     t0 = time.perf_counter()

@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -755,8 +757,6 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
     from .shards import ShardWriter
     from .target import load_target
 
-    if cfg.rollout.backend != "embedded":
-        raise RolloutError(f"rollout.backend={cfg.rollout.backend!r} is not available in this build; use embedded")
     if cfg.draft.path is None:
         raise RolloutError("draft.path is not set: pass the drafter to roll out with (draft.path=DIR)")
     bundle = load_target(cfg.target)
@@ -794,6 +794,13 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         "thinking": cfg.target.thinking,
     }
     writer = ShardWriter(out_dir, meta)
+    if cfg.rollout.backend != "embedded":
+        from .sglang.rollout_backend import sglang_rollout
+
+        n = sglang_rollout(cfg, bundle, drafter, prompts, writer, drafter_step=drafter_step,
+                           draft_path=str(cfg.resolve_path(cfg.draft.path)), out_dir=Path(out_dir))
+        print(f"rollout ({cfg.rollout.backend}): {n} sequences -> {out_dir}")
+        return 0
     per = cfg.rollout.sequences_per_shard
     pending: list[RolloutRecord] = []
     steps = toks = 0

@@ -1059,8 +1059,11 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
         b = get_bundle()
         held = [p for _, p in tokenized[-cfg.sft.verify_prompts:]] if cfg.sft.verify_prompts else []
         verify = verify_export(model, b.model, held, list(b.stop_token_ids), cfg.sft.verify_max_new_tokens)
-        print(f"[sft export] speculative decode == greedy on {verify['prompts']} prompts; tau {verify['tau']:.3f}",
-              flush=True)
+        if verify["prompts"]:
+            print(f"[sft export] speculative decode == greedy on {verify['prompts']} prompts; tau {verify['tau']:.3f}",
+                  flush=True)
+        else:
+            print("[sft export] lossless check skipped (sft.verify_prompts=0)", flush=True)
         train_stats = json.loads((t_dir / MARKER).read_text())["stats"]
         responses = read_responses(r_dir)
         ledger = sft_flops(cfg, dcfg, target_config, responses, steps=int(train_stats["step"]),

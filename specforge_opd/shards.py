@@ -257,6 +257,20 @@ def _file_schema(f: Path) -> Optional[str]:
 # reading
 
 
+def written_sample_ids(shard_dir) -> set[str]:
+    """Sample ids of the complete shards in ``shard_dir`` (the manifest lists only complete ones).
+
+    A resumed rollout skips these prompts. Reads safetensors headers only.
+    """
+    d = Path(shard_dir)
+    man = _read_manifest(d) if d.is_dir() else None
+    done: set[str] = set()
+    for entry in (man or {}).get("shards", []):
+        with safe_open(str(d / entry["file"]), framework="pt") as h:
+            done.update(json.loads(h.metadata()["sample_ids"]))
+    return done
+
+
 def shard_meta(shard_dir) -> dict:
     """The directory's run metadata from its manifest.
 

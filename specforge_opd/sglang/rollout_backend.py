@@ -1,0 +1,77 @@
+"""``rollout.backend: sglang_verify | sglang_native`` behind ``specforge-opd rollout`` (DESIGN.md section 5).
+
+Connects to ``sglang.urls`` or launches one server for the configured target,
+then rolls out the prompts not yet in the shard directory, one shard per group
+(``rollout.sequences_per_shard``): a server that dies mid-rollout is restarted
+once by the launcher, and a rerun resumes from the shards already written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from ..config import ExperimentConfig
+from .launcher import Endpoints, SGLangServer, server_args
+
+
+@contextlib.contextmanager
+def endpoints_for(cfg: ExperimentConfig, *, mode: str, model_path: str, layer_ids: list[int], block_size: int,
+                  draft_path: str | None, log_dir: Path):
+    """``Endpoints`` over ``sglang.urls``, or over a server launched (and stopped) here."""
+    if cfg.sglang.urls:
+        yield Endpoints.connect(cfg.sglang.urls, timeout_s=cfg.sglang.startup_timeout_s)
+        return
+
+    def args(port):
+        return server_args(cfg.sglang, model_path=model_path, port=port, mode=mode, target_layer_ids=layer_ids,
+                           draft_path=draft_path, block_size=block_size, dtype=cfg.target.dtype)
+
+    with SGLangServer(cfg.sglang, args, log_path=log_dir / f"sglang-{mode}.log") as server:
+        yield Endpoints.launched([server])
+
+
+def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[str, list[int]]], writer, *,
+                   drafter_step: int, draft_path: str | None, out_dir: Path) -> int:
+    """Roll out ``prompts`` through SGLang into ``writer`` (a ``shards.ShardWriter``); returns sequences written.
+
+    Raises:
+        ValueError: a setting the mode cannot honour (names the field).
+        ServerError / ContractError: the server failed to start or answered outside the contract.
+    """
+    from ..drafter import drafter_layer_ids
+    from ..shards import written_sample_ids
+    from .native import native_rollout_async
+    from .speculate import Drafter
+    from .verify_client import check_verify_settings, verify_rollout_to_shards
+
+    rc = cfg.rollout
+    layer_ids = drafter_layer_ids(drafter)
+    bs = int(drafter.block_size)
+    done = written_sample_ids(writer.dir)
+    todo = [p for p in prompts if p[0] not in done]
+    mode = "verify" if rc.backend == "sglang_verify" else "native"
+    with endpoints_for(cfg, mode=mode, model_path=str(bundle.path), layer_ids=layer_ids, block_size=bs,
+                       draft_path=draft_path, log_dir=out_dir) as ep:
+        if mode == "verify":
+            check_verify_settings(rc.temperature, rc.teacher, cfg.training.feature_source)
+            model = bundle.model
+            d = Drafter(drafter, model.get_input_embeddings(), model.get_output_embeddings())
+            hidden = int(getattr(model.config, "text_config", model.config).hidden_size)
+            return verify_rollout_to_shards(
+                ep, d, todo, sglang_cfg=cfg.sglang, sequences_per_shard=rc.sequences_per_shard, write_shard=writer.write,
+                max_new_tokens=rc.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids), teacher=rc.teacher,
+                teacher_topk=rc.teacher_topk, feature_dim=len(layer_ids) * hidden, drafter_step=drafter_step,
+            )
+        n = 0
+        for i in range(0, len(todo), rc.sequences_per_shard):
+            group = todo[i : i + rc.sequences_per_shard]
+            recs = asyncio.run(native_rollout_async(
+                ep, group, sglang_cfg=cfg.sglang, block_size=bs, max_new_tokens=rc.max_new_tokens,
+                stop_token_ids=list(bundle.stop_token_ids), teacher=rc.teacher, temperature=rc.temperature,
+                drafter_step=drafter_step,
+            ))
+            writer.write(recs)
+            n += len(recs)
+        return n

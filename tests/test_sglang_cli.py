@@ -1,0 +1,48 @@
+"""``specforge-opd rollout`` with ``rollout.backend: sglang_verify|sglang_native`` against the stand-in
+server gives the same shards' anchors, drafts, accepted counts and tokens as the embedded backend."""
+
+import pytest
+import torch
+
+from conftest import make_tiny_drafter, make_tiny_target
+from specforge_opd.config import load_config
+from specforge_opd.drafter import drafter_layer_ids, save_drafter
+from specforge_opd.rollout import run_rollout
+from specforge_opd.sglang.contract import server_layer_ids
+from specforge_opd.sglang.speculate import Drafter
+from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+from specforge_opd.shards import read_shards
+from specforge_opd.target import TargetBundle
+
+PROMPTS = [("p0", [5, 17, 33, 8]), ("p1", [40, 41, 42]), ("p2", [7, 9, 11, 13, 15, 3])]
+
+
+@pytest.mark.parametrize("backend", ["sglang_verify", "sglang_native"])
+def test_rollout_cli_over_standin_equals_embedded(tmp_path, monkeypatch, backend):
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    ddir = save_drafter(drafter, tmp_path / "drafter")
+    bundle = TargetBundle(model=target, tokenizer=None, path=tmp_path, identity="tiny", stop_token_ids=[1])
+    monkeypatch.setattr("specforge_opd.target.load_target", lambda tcfg: bundle)
+    common = [f"draft.path={ddir}", "rollout.max_new_tokens=10", "rollout.teacher=token", "rollout.sequences_per_shard=2",
+              "target.max_context=64", "training.feature_source=target"]
+    run_rollout(load_config(None, common + ["rollout.backend=embedded"]), tmp_path / "embedded", prompts=PROMPTS)
+    layers = drafter_layer_ids(drafter)
+    native = backend == "sglang_native"
+    wrapped = Drafter(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+    sb = StandinBackend(target, aux_layer_ids=server_layer_ids(layers), drafter=wrapped if native else None,
+                        block_size=drafter.block_size if native else None)
+    with ThreadedStandin(make_app(sb, native=native)) as server:
+        cfg = load_config(None, common + [f"rollout.backend={backend}", f"sglang.urls=[{server.url}]"])
+        run_rollout(cfg, tmp_path / "http", prompts=PROMPTS)
+        # a rerun resumes: every prompt is already in a complete shard, nothing is rolled out again
+        run_rollout(cfg, tmp_path / "http", prompts=PROMPTS)
+    ref = {r.sample_id: r for r in read_shards(tmp_path / "embedded")}
+    got = {r.sample_id: r for r in read_shards(tmp_path / "http")}
+    assert sorted(got) == sorted(ref) == ["p0", "p1", "p2"]
+    for sid, r in ref.items():
+        g = got[sid]
+        assert torch.equal(g.input_ids, r.input_ids), sid
+        assert torch.equal(g.anchors, r.anchors) and torch.equal(g.accepted, r.accepted), sid
+        assert torch.equal(g.drafts, r.drafts), sid
+        assert torch.allclose(g.teacher_draft_logprob, r.teacher_draft_logprob, atol=1e-4), sid
