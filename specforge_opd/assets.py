@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from .atomic import atomic_write_text, fsync_dir  # noqa: F401  (prompts.py imports them from here)
+
 log = logging.getLogger(__name__)
 
 #: Environment variable that moves the cache (default ``~/.cache/specforge_opd``).
@@ -147,33 +149,7 @@ def qwen3_tokenizer_dir() -> Path:
 
 
 # ---------------------------------------------------------------------------
-# atomic writes and locking (shared with specforge_opd.prompts)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it survives a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+# locking (shared with specforge_opd.prompts); atomic writes live in specforge_opd.atomic
 
 
 @contextlib.contextmanager

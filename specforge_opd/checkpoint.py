@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .atomic import atomic_write_text
 from .drafter import build_drafter, save_drafter
 
 STATE_FILE = "trainer_state.json"
@@ -51,14 +52,6 @@ def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -92,11 +85,11 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model, optimizer, t
     save_file(_rng_state(), str(tmp / f"rng-rank{_rank()}.safetensors"))
     _barrier()
     if _rank() == 0:
-        _atomic_write_text(tmp / STATE_FILE, json.dumps(dict(trainer_state, step=step), indent=2, sort_keys=True))
+        atomic_write_text(tmp / STATE_FILE, json.dumps(dict(trainer_state, step=step), indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write_text(root / LATEST, final.name + "\n")
+        atomic_write_text(root / LATEST, final.name + "\n")
     _barrier()
     return final
 

@@ -13,7 +13,6 @@ by the cost of one SFT optimizer step on the cached samples gives (b)'s steps.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path

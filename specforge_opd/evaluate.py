@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +39,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tqdm import tqdm
 
+from .atomic import atomic_write_bytes, atomic_write_text
 from .config import ConfigError, ExperimentConfig
 from .drafter import (
     DrafterError,
@@ -110,17 +110,8 @@ def _cut(tokens: list[int], max_new_tokens: int, stop_token_ids: Sequence[int]) 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
     """Write safetensors to a temporary name, fsync, rename: a crash never leaves a torn cache entry."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    data = save({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+    atomic_write_bytes(path, data)
 
 
 class TrajectoryCache:
@@ -697,18 +688,10 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
         "tau": plot_tau_per_dataset(result, out / "tau_per_dataset.png").name,
         "histogram": plot_accept_histograms(result, out / "accept_hist.png").name,
     }
-    _write_text(out / "eval.json", json.dumps(result, indent=2, default=float))
-    _write_text(out / "eval.md", render_markdown(result))
+    atomic_write_text(out / "eval.json", json.dumps(result, indent=2, default=float))
+    atomic_write_text(out / "eval.md", render_markdown(result))
     return result
 
-
-def _write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _hist_summary(hist: list[int]) -> str:

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from .atomic import atomic_write_json
 from .config import ExperimentConfig
 from .flops import FlopsLedger, opd_replay_flops, rollout_target_flops
 from .plan import OPDPlan, PlanError, iteration_prompt_indices, make_plan
@@ -47,15 +48,6 @@ STATE_FILE = "opd_state.json"
 
 def _rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=float)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _dir_bytes(p: Path) -> int:
@@ -359,7 +351,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
                 shutil.rmtree(out / f"iter_{it - 1:03d}" / "train" / "checkpoints", ignore_errors=True)
             state.update(iterations_done=it + 1, drafter=str(res.export_dir), flops=flops.to_dict())
             state["history"].append({k: row[k] for k in ("iteration", "rollout_tau", "loss", "L_acc", "L_rej")})
-            _atomic_json(state_path, state)
+            atomic_write_json(state_path, state)
         if world > 1:
             dist.barrier()
             state = json.loads(state_path.read_text())
@@ -406,7 +398,7 @@ def _stamp_metadata(drafter_dir: Path, extra: dict) -> None:
     p = Path(drafter_dir) / METADATA_FILE
     meta = json.loads(p.read_text()) if p.is_file() else {}
     meta.update(extra)
-    _atomic_json(p, meta)
+    atomic_write_json(p, meta)
 
 
 def _tensorboard(cfg, out: Path):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -35,7 +34,6 @@ from typing import Optional, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .adapter import create_dflash_sdpa_mask, extract_context_feature
 from .config import RolloutConfig

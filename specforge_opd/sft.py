@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from .atomic import atomic_write, atomic_write_bytes, atomic_write_json
 from .config import ConfigError, ExperimentConfig
 
 STEPS = ("responses", "features", "train", "export")
@@ -65,31 +66,14 @@ class SFTError(RuntimeError):
 # small durable-file helpers
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp name, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _fsync_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+    atomic_write_json(path, obj)
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     import torch
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def hash_inputs(inputs: dict) -> str:
@@ -443,7 +427,7 @@ def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: 
                 resp, finished = _cut_at_stop(o, stop, cfg.sft.max_new_tokens)
                 lines.append(json.dumps(ResponseRecord(pid, p, resp, finished).__dict__))
             bar.update(len(batch))
-        _fsync_write(f, ("\n".join(lines) + "\n").encode())
+        atomic_write_bytes(f, ("\n".join(lines) + "\n").encode())
     bar.close()
     recs = read_responses(d)
     return {"samples": len(recs), "response_tokens": sum(len(r.response_ids) for r in recs),
@@ -675,7 +659,7 @@ def run_train(d: Path, run: dict, cfg: ExperimentConfig, gpus: int) -> dict:
         print(f"[sft train] resuming SpecForge from {latest.name}", flush=True)
     validate_specforge_run(run)
     run_yaml = d / "run.yaml"
-    _fsync_write(run_yaml, yaml.safe_dump(run, sort_keys=False).encode())
+    atomic_write_bytes(run_yaml, yaml.safe_dump(run, sort_keys=False).encode())
     cmd = [sys.executable, "-m", specforge_cli_module(), "train", "-c", str(run_yaml)]
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -1035,7 +1019,7 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
         text = json.dumps(dcfg_dict, indent=2, sort_keys=True) + "\n"
         # SpecForge's resume contract hashes this file: rewrite only when it changed.
         if not dfile.is_file() or dfile.read_text() != text:
-            _fsync_write(dfile, text.encode())
+            atomic_write_bytes(dfile, text.encode())
         run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
                                    out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus)
         stats = run_train(t_dir, run, cfg, gpus)
@@ -1089,8 +1073,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
 
 
 def sft_flops(cfg: ExperimentConfig, draft_config, target_config, responses: list, *, steps: int,
-              captured_here: bool = True) -> "FlopsLedger":
-    """FLOPs of this SFT run (``specforge_opd.flops`` conventions).
+              captured_here: bool = True):
+    """FLOPs of this SFT run as a ``flops.FlopsLedger`` (``specforge_opd.flops`` conventions).
 
     ``drafter_train`` = steps x batch_size x the mean per-sequence cost of SpecForge's
     DFlash SFT (``flops.sft_step_flops`` with ``training.num_anchors``) over the

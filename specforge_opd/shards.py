@@ -39,7 +39,6 @@ import argparse
 import errno
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -49,6 +48,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .atomic import atomic_write_bytes
 from .records import RolloutRecord, accepted_histogram, tau_of
 
 SCHEMA_VERSION = 1
@@ -68,31 +68,8 @@ def _write_bytes(f, data: bytes) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary name, fsync, rename, fsync the directory.
-
-    On any error the temporary file is removed and ``path`` is untouched.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            _write_bytes(f, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    """Write ``data`` to ``path`` atomically; on any error ``path`` is untouched (``atomic.atomic_write``)."""
+    atomic_write_bytes(path, data, write=lambda f, d: _write_bytes(f, d))
 
 
 def _read_manifest(d: Path) -> Optional[dict]:
