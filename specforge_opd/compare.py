@@ -35,9 +35,9 @@ def matched_sft_steps(sft_cfg, sft_out: Path, opd_final: Path) -> tuple[int, flo
     from .sft import MARKER, read_responses, sft_flops
 
     meta = read_drafter_metadata(opd_final)
-    if "flops" not in meta:
-        raise ValueError(f"{opd_final}: no flops metadata (not an OPD export of this project)")
-    opd = FlopsLedger.from_dict(meta["flops"]).drafter_budget
+    if "opd_flops" not in meta:
+        raise ValueError(f"{opd_final}: no opd_flops metadata (not an OPD export of this project)")
+    opd = FlopsLedger.from_dict(meta["opd_flops"]).drafter_budget
     rdirs = [d for d in sorted(sft_out.glob("responses-*")) if (d / MARKER).is_file()]
     if not rdirs:
         raise ValueError(f"{sft_out}: no finished SFT responses (run scripts/train_sft.sh first)")

@@ -309,8 +309,11 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             it_flops.drafter_train += f["forward"] + f["backward"]
             it_flops.teacher_lm_head += f["teacher_lm_head"]
         flops = flops.add(it_flops)
-        _stamp_metadata(res.export_dir, {"flops": flops.to_dict(), "opd_iteration": it, "initial_drafter": str(initial_drafter),
-                                         "initial_flops": initial_meta.get("flops")})
+        # "flops": the drafter's whole history (initial drafter + this stage), comparable with a
+        # continued-SFT drafter's ledger; "opd_flops": this stage alone (what a matched baseline spends).
+        cumulative = FlopsLedger.from_dict(initial_meta.get("flops")).add(flops)
+        _stamp_metadata(res.export_dir, {"flops": cumulative.to_dict(), "opd_flops": flops.to_dict(), "opd_iteration": it,
+                                         "initial_drafter": str(initial_drafter), "initial_flops": initial_meta.get("flops")})
         row = {
             "iteration": it,
             "drafter_step": drafter_step,

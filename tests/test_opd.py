@@ -46,7 +46,9 @@ def test_opd_loop_and_resume(tmp_path):
     assert (out / "report.md").is_file() and (out / "tau_per_iteration.png").is_file()
     assert not (out / "spool" / "iter_000").exists()  # consumed shards deleted
     meta = json.loads((final / "specforge_opd.json").read_text())
-    assert meta["flops"]["drafter_train"] > 0 and meta["flops"]["target_rollout"] > 0
+    assert meta["opd_flops"]["drafter_train"] > 0 and meta["opd_flops"]["target_rollout"] > 0
+    # the initial drafter has no recorded FLOPs here, so the cumulative ledger equals the stage's
+    assert meta["flops"]["drafter_budget"] == pytest.approx(meta["opd_flops"]["drafter_budget"])
     assert meta["step"] == 4  # 2 iterations x 2 optimizer steps
     reference = _params(final)
     # one cosine schedule over the whole stage: iteration 1 continues where iteration 0 stopped
