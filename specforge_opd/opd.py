@@ -39,9 +39,9 @@ import torch
 
 from .atomic import atomic_write_json
 from .config import ExperimentConfig
-from .flops import FlopsLedger, opd_replay_flops, rollout_target_flops
+from .flops import FlopsLedger, rollout_target_flops
 from .plan import OPDPlan, PlanError, iteration_prompt_indices, make_plan
-from .records import RolloutRecord, accepted_histogram, tau_of
+from .records import accepted_histogram, tau_of
 
 STATE_FILE = "opd_state.json"
 
@@ -154,7 +154,6 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     for r in recs:
         ledger.target_rollout += rollout_target_flops(tcfg, prompt_len=r.prompt_len, anchors=r.anchors.tolist(), block_size=r.block_size)
     return {
-        "records": recs,
         "sequences": len(recs),
         "completion_tokens": sum(r.completion_tokens for r in recs),
         "verify_steps": sum(r.num_blocks for r in recs),
@@ -190,7 +189,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     from .rollout import SpeculativeEngine
     from .sft import load_any_drafter
     from .target import load_target
-    from .trainer import InjectedFault, distill
+    from .trainer import distill
 
     rank, world = _rank_world()
     out = Path(cfg.output.dir)
@@ -291,23 +290,16 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         tcfg.training.num_epochs = 1
         prev_ckpt = out / f"iter_{it - 1:03d}" / "train" / "checkpoints" if it > 0 else None
         t0 = time.perf_counter()
-        try:
-            res = distill(
-                tcfg, shard_dirs, drafter_dir, it_dir / "train", target=bundle,
-                schedule=(it * plan.steps_per_iteration, plan.total_steps), carry_from=prev_ckpt,
-                fault_after_steps=int(fault.split(":")[1]) if fault and fault.startswith("train:") else None,
-            )
-        except InjectedFault:
-            raise
+        res = distill(
+            tcfg, shard_dirs, drafter_dir, it_dir / "train", target=bundle,
+            schedule=(it * plan.steps_per_iteration, plan.total_steps), carry_from=prev_ckpt,
+            fault_after_steps=int(fault.split(":")[1]) if fault and fault.startswith("train:") else None,
+        )
         train_seconds = time.perf_counter() - t0
         # -- 3. bookkeeping --------------------------------------------------
-        recs: list[RolloutRecord] = ro.pop("records")
-        it_flops = FlopsLedger(target_rollout=ro.pop("target_rollout_flops"))
-        dcfg = _load_cfg_of(res.export_dir)
-        for r in recs:
-            f = opd_replay_flops(dcfg, r.anchors.tolist(), teacher_form=cfg.rollout.teacher)
-            it_flops.drafter_train += f["forward"] + f["backward"]
-            it_flops.teacher_lm_head += f["teacher_lm_head"]
+        # distill records the drafter-side FLOPs of the steps it trained; the rollout adds the target's
+        it_flops = FlopsLedger.from_dict(read_drafter_metadata(res.export_dir).get("flops"))
+        it_flops.target_rollout += ro.pop("target_rollout_flops")
         flops = flops.add(it_flops)
         # "flops": the drafter's whole history (initial drafter + this stage), comparable with a
         # continued-SFT drafter's ledger; "opd_flops": this stage alone (what a matched baseline spends).
@@ -387,12 +379,6 @@ class _FaultyEngine:
             raise InjectedFault("injected fault in the rollout phase")
         self.n -= 1
         return self.engine.generate(*a, **k)
-
-
-def _load_cfg_of(drafter_dir):
-    from .drafter import load_draft_config
-
-    return load_draft_config(drafter_dir)
 
 
 def _stamp_metadata(drafter_dir: Path, extra: dict) -> None:

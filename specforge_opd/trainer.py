@@ -565,12 +565,25 @@ def distill(
         metrics.close()
 
         # 5. export
-        meta = {"step": drafter_step0 + step, "opd_steps": step, "loss": tc.loss, "combine": tc.combine, "nonfinite_skipped": skipped_total}
+        meta = {"step": drafter_step0 + step, "opd_steps": step, "loss": tc.loss, "combine": tc.combine, "nonfinite_skipped": skipped_total,
+                "flops": _replay_flops(drafter.config, records, cfg.rollout.teacher, step / max(1, order.steps_per_epoch)).to_dict()}
         export_drafter(drafter, export_dir, metadata=meta)
         return DistillResult(out, export_dir, step, total, steps_run, drafter_step0 + step, skipped_total, last_metrics=last)
     finally:
         if initialized_here and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _replay_flops(draft_config, records: list[RolloutRecord], teacher_form: str, epochs: float):
+    """Drafter-training FLOPs of ``epochs`` passes over ``records`` (``flops.opd_replay_flops``)."""
+    from .flops import FlopsLedger, opd_replay_flops
+
+    ledger = FlopsLedger()
+    for r in records:
+        f = opd_replay_flops(draft_config, r.anchors.tolist(), teacher_form=teacher_form)
+        ledger.drafter_train += (f["forward"] + f["backward"]) * epochs
+        ledger.teacher_lm_head += f["teacher_lm_head"] * epochs
+    return ledger
 
 
 def cli(argv: list[str]) -> int:
