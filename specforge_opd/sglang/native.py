@@ -20,7 +20,6 @@ facts in their SGLang fork, bingyang-lei/Draft-OPD):
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable, Optional
 
 import torch
@@ -198,22 +197,15 @@ async def native_rollout_async(
     progress: Optional[Callable[[int], None]] = None,
 ) -> list[RolloutRecord]:
     """Send every prompt to SGLang's own DFLASH decoding; records (no features) in prompt order."""
-    from .verify_client import HTTPClient
+    from .verify_client import for_each_prompt
 
-    sem = asyncio.Semaphore(sglang_cfg.max_in_flight)
-    async with HTTPClient(endpoints, sglang_cfg) as client:
+    async def one(client, i: int, sid: str, ids: list[int]) -> RolloutRecord:
+        body = native_request(ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
+        payload = await client.post(i, "/generate", body)
+        resp = parse_native_response(payload, block_size=block_size, server_version=endpoints.version)
+        return record_from_native(
+            sid, ids, resp.output_ids, resp.steps, block_size=block_size, teacher=teacher,
+            stop_token_ids=stop_token_ids, drafter_step=drafter_step, server_version=endpoints.version,
+        )
 
-        async def one(i: int, sid: str, ids: list[int]) -> RolloutRecord:
-            async with sem:
-                body = native_request(ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
-                payload = await client.post(i, "/generate", body)
-                resp = parse_native_response(payload, block_size=block_size, server_version=endpoints.version)
-                rec = record_from_native(
-                    sid, ids, resp.output_ids, resp.steps, block_size=block_size, teacher=teacher,
-                    stop_token_ids=stop_token_ids, drafter_step=drafter_step, server_version=endpoints.version,
-                )
-                if progress is not None:
-                    progress(1)
-                return rec
-
-        return list(await asyncio.gather(*(one(i, sid, ids) for i, (sid, ids) in enumerate(prompts))))
+    return await for_each_prompt(endpoints, sglang_cfg, prompts, one, progress)

@@ -152,19 +152,29 @@ async def verify_rollout_async(
     progress: Optional[Callable[[int], None]] = None,
 ) -> list[RolloutRecord]:
     """Roll out ``prompts`` [(sample_id, prompt ids)] concurrently; records in prompt order."""
+
+    async def one(client, i: int, sid: str, ids: list[int]) -> RolloutRecord:
+        target = HTTPTarget(client, i, top_k=teacher_topk, feature_dim=feature_dim)
+        return await speculate_sequence(
+            target, drafter, ids, sample_id=sid, max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids, teacher=teacher, store_features=True, drafter_step=drafter_step,
+        )
+
+    return await for_each_prompt(endpoints, sglang_cfg, prompts, one, progress)
+
+
+async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tuple[str, list[int]]], fn, progress=None) -> list:
+    """``await fn(client, i, sample_id, prompt_ids)`` for every prompt, at most ``sglang.max_in_flight``
+    at once over one ``HTTPClient``; results in prompt order. Shared by verify and native mode."""
     sem = asyncio.Semaphore(sglang_cfg.max_in_flight)
     async with HTTPClient(endpoints, sglang_cfg) as client:
 
-        async def one(i: int, sid: str, ids: list[int]) -> RolloutRecord:
+        async def one(i: int, sid: str, ids: list[int]):
             async with sem:
-                target = HTTPTarget(client, i, top_k=teacher_topk, feature_dim=feature_dim)
-                rec = await speculate_sequence(
-                    target, drafter, ids, sample_id=sid, max_new_tokens=max_new_tokens,
-                    stop_token_ids=stop_token_ids, teacher=teacher, store_features=True, drafter_step=drafter_step,
-                )
+                out = await fn(client, i, sid, ids)
                 if progress is not None:
                     progress(1)
-                return rec
+                return out
 
         return list(await asyncio.gather(*(one(i, sid, ids) for i, (sid, ids) in enumerate(prompts))))
 
