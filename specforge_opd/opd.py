@@ -119,9 +119,12 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
 # rollout phase
 
 
-def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: dict, drafter_step: int) -> dict:
+def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: dict, drafter_step: int,
+                  drafter_dir: Optional[str] = None) -> dict:
     """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip batches already written.
 
+    ``rollout.backend`` sglang_verify / sglang_native go through ``sglang.rollout_backend``
+    (native mode launches the server with ``drafter_dir``, this iteration's drafter).
     Returns stats of the batches rolled out now plus those found done:
     sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs.
     """
@@ -136,6 +139,12 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     t0 = time.perf_counter()
     new_tokens = 0
     rank, _ = _rank_world()
+    if cfg.rollout.backend != "embedded":
+        from .sglang.rollout_backend import sglang_rollout
+
+        sglang_rollout(cfg, bundle, engine.drafter, todo, writer, drafter_step=drafter_step, draft_path=drafter_dir,
+                       out_dir=shard_dir)
+        todo = []
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq", disable=rank != 0, dynamic_ncols=True)
     for i in range(0, len(todo), bs):
         chunk = todo[i : i + bs]
@@ -224,6 +233,12 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     }
     if state["drafter"] is None:
         raise PlanError("draft.path is not set: the OPD stage starts from the SFT stage's export or another DFlash/SpecForge drafter")
+    if cfg.rollout.backend == "sglang_native" and cfg.sglang.urls:
+        raise PlanError(
+            "rollout.backend=sglang_native with sglang.urls: a given server keeps the drafter it was started with, so "
+            "each iteration's new drafter could not reach it; leave sglang.urls empty and the launcher restarts "
+            "SGLang with every iteration's drafter"
+        )
     if state["iterations_done"] == 0 and rank == 0:
         # Any accepted checkpoint form (SpecForge step dir, exports, published DFlash) becomes
         # one HF directory, checked against the target once, before any rollout.
@@ -279,7 +294,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         }
         rcfg = cfg.model_copy(deep=True)
         rcfg.rollout.seed = cfg.rollout.seed + it
-        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step)
+        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir)
         del engine, drafter
         if world > 1:
             dist.barrier()
@@ -370,7 +385,7 @@ class _FaultyEngine:
     """Wraps the engine to raise after N batches (resume tests)."""
 
     def __init__(self, engine, n):
-        self.engine, self.n, self.skipped = engine, n, []
+        self.engine, self.n, self.skipped, self.drafter = engine, n, [], engine.drafter
 
     def generate(self, *a, **k):
         from .trainer import InjectedFault

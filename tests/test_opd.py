@@ -73,3 +73,33 @@ def test_opd_loop_and_resume(tmp_path):
     again = run_opd(cfg2, target=bundle2, prompts=prompts)
     for k, v in _params(again).items():
         assert torch.equal(v, resumed[k])
+
+
+def test_opd_loop_over_sglang_verify_standin(tmp_path):
+    """rollout.backend=sglang_verify: the OPD loop rolls out through an SGLang(-shaped) server and measures
+    the same on-policy tau per iteration as the embedded backend; native mode refuses fixed URLs."""
+    from specforge_opd.drafter import drafter_layer_ids
+    from specforge_opd.opd import run_opd
+    from specforge_opd.plan import PlanError
+    from specforge_opd.sglang.contract import server_layer_ids
+    from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+
+    cfg, bundle, prompts = _setup(tmp_path, "embedded")
+    cfg.rollout.teacher = "topk"
+    run_opd(cfg, target=bundle, prompts=prompts)
+    layers = drafter_layer_ids(make_tiny_drafter(bundle.model))
+    with ThreadedStandin(make_app(StandinBackend(bundle.model, aux_layer_ids=server_layer_ids(layers)))) as server:
+        cfg2, _, _ = _setup(tmp_path, "http")
+        cfg2.rollout.teacher = "topk"
+        cfg2.rollout.backend = "sglang_verify"
+        cfg2.sglang.urls = [server.url]
+        run_opd(cfg2, target=bundle, prompts=prompts)
+        cfg3, _, _ = _setup(tmp_path, "native")
+        cfg3.rollout.backend = "sglang_native"
+        cfg3.sglang.urls = [server.url]
+        with pytest.raises(PlanError, match="sglang.urls"):
+            run_opd(cfg3, target=bundle, prompts=prompts)
+    a = [json.loads(l) for l in (tmp_path / "embedded" / "opd_metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(l) for l in (tmp_path / "http" / "opd_metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_tau"] for r in b] == pytest.approx([r["rollout_tau"] for r in a])
+    assert [r["rollout_verify_steps"] for r in b] == [r["rollout_verify_steps"] for r in a]
