@@ -784,7 +784,7 @@ def cli(argv: list[str]) -> int:
     out = Path(cfg.output.dir)
     _USER_ERRORS = _user_errors()
     try:
-        result = evaluate(cfg, drafters, out)
+        evaluate(cfg, drafters, out)
     except _USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

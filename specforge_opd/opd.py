@@ -40,18 +40,15 @@ import torch
 from .atomic import atomic_write_json
 from .config import ExperimentConfig
 from .flops import FlopsLedger, rollout_target_flops
-from .plan import OPDPlan, PlanError, iteration_prompt_indices, make_plan
+from .plan import OPDPlan, PlanError, captured_layers, iteration_prompt_indices, make_plan
 from .records import accepted_histogram, tau_of
+from .sft import dir_bytes
 
 STATE_FILE = "opd_state.json"
 
 
 def _rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _dir_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
 
 
 def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
@@ -76,8 +73,7 @@ def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
             raise PlanError(f"target.path={path} is not a local directory and no packaged config fixture matches it")
         tcfg = AutoConfig.from_pretrained(qwen3_fixture_dir(size))
     tcfg = getattr(tcfg, "text_config", tcfg)
-    n_captured = len(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else cfg.draft.num_hidden_layers
-    return int(tcfg.hidden_size), int(tcfg.num_hidden_layers), n_captured
+    return int(tcfg.hidden_size), int(tcfg.num_hidden_layers), captured_layers(cfg)
 
 
 def _pool(cfg: ExperimentConfig, tokenizer=None):
@@ -213,8 +209,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     else:
         pool_stats = "given by the caller"
     tconf = getattr(bundle.model.config, "text_config", bundle.model.config)
-    n_captured = len(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else cfg.draft.num_hidden_layers
-    plan = make_plan(cfg, len(prompts), int(tconf.hidden_size), n_captured)
+    plan = make_plan(cfg, len(prompts), int(tconf.hidden_size), captured_layers(cfg))
     if cfg.training.batch_size * cfg.training.accumulation_steps * world != cfg.opd.prompts_per_step:
         # one optimizer step per prompts_per_step prompts: derive accumulation from it
         per_rank = cfg.opd.prompts_per_step // world
@@ -298,7 +293,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         del engine, drafter
         if world > 1:
             dist.barrier()
-        spool_bytes = _dir_bytes(spool_root)
+        spool_bytes = dir_bytes(spool_root)
         # -- 2. train --------------------------------------------------------
         shard_dirs = sorted({p.parent for p in (spool_root / f"iter_{it:03d}").rglob("manifest.json")})
         tcfg = cfg.model_copy(deep=True)
@@ -340,7 +335,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             "accepted_fraction": res.last_metrics.get("accepted_fraction"),
             "policy_lag": res.last_metrics.get("policy_lag"),
             "spool_bytes": spool_bytes,
-            "output_bytes": _dir_bytes(out),
+            "output_bytes": dir_bytes(out),
             "flops": flops.to_dict(),
         }
         if rank == 0:

@@ -44,6 +44,12 @@ class PlanError(ValueError):
     """The configuration cannot run as planned; the message names the setting to change."""
 
 
+def captured_layers(cfg: ExperimentConfig) -> int:
+    """Target layers whose features a shard row carries: ``draft.target_layer_ids``, or
+    one per drafter layer (SpecForge's ``build_target_layer_ids`` default)."""
+    return len(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else cfg.draft.num_hidden_layers
+
+
 def estimate_sequence_bytes(cfg: ExperimentConfig, hidden_size: int, num_layers_captured: int) -> int:
     """Upper-bound bytes of one rolled-out sequence in a shard.
 
