@@ -11,7 +11,6 @@ from specforge.algorithms.common.dflash_family_model import (  # noqa: F401
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
 )
-from specforge.core.chunking import checkpointed_chunk_reduce  # noqa: F401  (OPD trainer, engineer C)
 from specforge.modeling.draft.dflash import (  # noqa: F401
     DFlashDraftModel,
     build_target_layer_ids,

@@ -10,7 +10,7 @@ The loss is a weighted sum over slots, ``L = sum_i c_i * KL_i``, where the
 per-slot coefficient c_i depends only on accepted counts of the whole global
 batch (all ranks, all accumulation micro-steps). ``plan_slots`` and
 ``slot_coefficients`` compute c_i before any forward pass, so the drafter's
-output can be consumed in chunks (``chunk_kl_terms``) and each rank's
+output can be consumed in chunks (``linear_kl_loss``) and each rank's
 contribution is already normalized globally.
 
 Eq. 1 with empty terms: ``L = (la * L_acc + lr * L_rej) / (la + lr)`` where
@@ -307,47 +307,125 @@ def kl_token(
     return torch.where(reverse, k3, bern)
 
 
-def chunk_kl_terms(
+def slot_kl(
+    student_logits: torch.Tensor,
+    reverse: torch.Tensor,
+    teacher_logits: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    topk_logprobs: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
+    draft_logprob: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-slot KL of a chunk, the teacher form picked by which tensors are given.
+
+    ``teacher_logits`` -> ``kl_full``; ``topk_ids`` -> ``kl_topk``; else ``kl_token``.
+    Args: student_logits [n, V]; reverse bool [n]; teacher tensors as in those functions.
+    Returns: float32 [n].
+    """
+    if teacher_logits is not None:
+        return kl_full(student_logits, teacher_logits, reverse)
+    if topk_ids is not None:
+        return kl_topk(student_logits, topk_ids, topk_logprobs, draft_ids, draft_logprob, reverse)
+    return kl_token(student_logits, draft_ids, draft_logprob, reverse)
+
+
+class _PrecomputedGrad(torch.autograd.Function):
+    """Attach a gradient computed during the forward pass: d loss / d input = ``grad``."""
+
+    @staticmethod
+    def forward(ctx, inp, value, grad):
+        ctx.save_for_backward(grad)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out.to(grad.dtype), None, None
+
+
+def linear_kl_loss(
     student_hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     coef: torch.Tensor,
     reverse: torch.Tensor,
     rejected: torch.Tensor,
     weight: torch.Tensor,
+    *,
+    chunk_slots: int = 1024,
     teacher_hidden: torch.Tensor | None = None,
     topk_ids: torch.Tensor | None = None,
     topk_logprobs: torch.Tensor | None = None,
     draft_ids: torch.Tensor | None = None,
     draft_logprob: torch.Tensor | None = None,
 ):
-    """Loss terms of one chunk of slots: the lm_head and the KL, fused for chunking.
+    """``sum_i coef_i KL_i`` through the frozen lm_head, in chunks, with its gradient computed in the forward.
 
-    Student logits = ``student_hidden @ lm_head_weight.T`` in fp32 (the frozen
-    target lm_head); the teacher form is picked by which optional tensors are
-    given (``teacher_hidden`` -> full; ``topk_ids`` -> topk; else token).
+    Student logits = ``student_hidden @ lm_head_weight.T`` (matmul in the
+    lm_head's dtype, KL in fp32). For each chunk of ``chunk_slots`` slots the
+    dense logits exist once: the chunk's KL is evaluated, the gradient with
+    respect to the logits is taken right away and projected back through the
+    lm_head (``g @ W``), and the logits are freed. The backward pass then only
+    scales the stored [N, H] gradient. This is the fused-linear-loss pattern:
+    per slot it costs one vocabulary matmul for the student, one for the
+    ``full`` teacher and one for the gradient, where activation checkpointing
+    (SpecForge's ``checkpointed_chunk_reduce``) would redo the student and
+    teacher matmuls in the backward (5 against 3 for ``full``, 3 against 2 for
+    ``topk``/``token``). Values and gradients equal the plain autograd ones.
 
     Args:
-        student_hidden: [n, H] drafter outputs at the trained slots.
-        lm_head_weight: [V, H], frozen.
-        coef: float32 [n] (``slot_coefficients``); reverse, rejected: bool [n]; weight: float32 [n].
+        student_hidden: [N, H] drafter outputs at the trained slots (any float dtype).
+        lm_head_weight: [V, H], frozen (must not require grad).
+        coef: float32 [N] (``slot_coefficients``); reverse, rejected: bool [N]; weight: float32 [N].
+        chunk_slots: slots per chunk (> 0); bounds the fp32 [chunk, V] buffers.
+        teacher_hidden: [N, H] verify-pass final hidden (``full``), or
+        topk_ids/topk_logprobs [N, k] (``topk``), plus draft_ids/draft_logprob [N] (``topk``/``token``).
     Returns:
-        (loss, acc_kl_sum, rej_wkl_sum): 0-dim float32; ``loss = sum coef * KL``
-        carries the gradient; the two sums (detached) feed the L_acc / L_rej metrics.
+        (loss, acc_kl_sum, rej_wkl_sum): 0-dim float32. ``loss`` carries the
+        gradient to ``student_hidden``; the sums (detached) feed the L_acc / L_rej
+        metrics (accepted-slot KL sum, rejected-slot ``w_k``-weighted KL sum).
+        Double backward is not supported.
+    Raises:
+        ValueError: ``chunk_slots`` < 1, an empty slot set, or an lm_head that requires grad.
     """
-    # The matmul runs in the lm_head's dtype (no fp32 copy of a 151936-row
-    # weight per chunk); the KL itself is fp32.
+    if chunk_slots < 1:
+        raise ValueError(f"training.chunk_slots={chunk_slots}: must be >= 1")
+    if lm_head_weight.requires_grad:
+        raise ValueError("the target lm_head is frozen in Draft-OPD; call requires_grad_(False) on it")
+    n = student_hidden.shape[0]
+    if n == 0:
+        raise ValueError("linear_kl_loss received no slots")
     w = lm_head_weight
-    logits = (student_hidden.to(w.dtype) @ w.t()).float()
-    if teacher_hidden is not None:
+    need_grad = torch.is_grad_enabled() and student_hidden.requires_grad
+    h = student_hidden.detach()
+    grad_h = torch.empty_like(h) if need_grad else None
+    zero = torch.zeros((), dtype=torch.float32, device=h.device)
+    loss, acc, rej = zero, zero, zero
+    for start in range(0, n, chunk_slots):
+        sl = slice(start, min(n, start + chunk_slots))
         with torch.no_grad():
-            teacher_logits = (teacher_hidden.to(w.dtype) @ w.t()).float()
-        kl = kl_full(logits, teacher_logits, reverse)
-    elif topk_ids is not None:
-        kl = kl_topk(logits, topk_ids, topk_logprobs, draft_ids, draft_logprob, reverse)
-    else:
-        kl = kl_token(logits, draft_ids, draft_logprob, reverse)
-    loss = (coef * kl).sum()
-    kd = kl.detach()
-    acc = torch.where(rejected, torch.zeros_like(kd), kd).sum()
-    rej = torch.where(rejected, kd * weight, torch.zeros_like(kd)).sum()
+            logits = (h[sl].to(w.dtype) @ w.t()).float()
+            teacher_logits = None if teacher_hidden is None else (teacher_hidden[sl].to(w.dtype) @ w.t()).float()
+        with torch.enable_grad() if need_grad else torch.no_grad():
+            logits.requires_grad_(need_grad)
+            kl = slot_kl(
+                logits, reverse[sl], teacher_logits,
+                None if topk_ids is None else topk_ids[sl],
+                None if topk_logprobs is None else topk_logprobs[sl],
+                None if draft_ids is None else draft_ids[sl],
+                None if draft_logprob is None else draft_logprob[sl],
+            )
+            chunk_loss = (coef[sl] * kl).sum()
+            if need_grad:
+                (g,) = torch.autograd.grad(chunk_loss, logits)
+        if need_grad:
+            grad_h[sl] = (g.to(w.dtype) @ w).to(h.dtype)
+            del g
+        del logits, teacher_logits
+        kd = kl.detach()
+        rj = rejected[sl]
+        loss = loss + chunk_loss.detach()
+        acc = acc + torch.where(rj, torch.zeros_like(kd), kd).sum()
+        rej = rej + torch.where(rj, kd * weight[sl], torch.zeros_like(kd)).sum()
+    if need_grad:
+        loss = _PrecomputedGrad.apply(student_hidden, loss, grad_h)
     return loss, acc, rej

@@ -98,7 +98,7 @@ def replay_hidden(
 
 
 def slot_teacher(record: RolloutRecord, plan: SlotPlan, device=None) -> dict:
-    """The teacher signal at the planned slots, as keyword arguments of ``losses.chunk_kl_terms``.
+    """The teacher signal at the planned slots, as keyword arguments of ``losses.linear_kl_loss``.
 
     Slot k of block m reads teacher index k-1 (the verify pass's output at slot
     k-1). Includes ``draft_ids`` = d_{m,k} for the topk/token forms.
@@ -208,7 +208,7 @@ def replay_logits(drafter, embed_tokens, lm_head_weight, record: RolloutRecord, 
     """Dense student logits of every drafted slot: float32 [M, bs-1, V] (slot k at index k-1).
 
     For tests and offline analysis on small vocabularies; training uses the
-    chunked path (``losses.chunk_kl_terms``).
+    chunked path (``losses.linear_kl_loss``).
     """
     h = replay_hidden(drafter, embed_tokens, record, mask_token_id, attention_backend)
     return h[:, 1:].float() @ lm_head_weight.float().t()

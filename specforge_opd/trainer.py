@@ -46,11 +46,11 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .adapter import checkpointed_chunk_reduce, optimizer_and_scheduler
+from .adapter import optimizer_and_scheduler
 from .checkpoint import CheckpointError, export_drafter, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig
 from .drafter import check_compatible, drafter_layer_ids, drafter_mask_token_id, load_drafter, read_drafter_metadata
-from .losses import SlotPlan, chunk_kl_terms, plan_slots, slot_coefficients
+from .losses import SlotPlan, linear_kl_loss, plan_slots, slot_coefficients
 from .records import RolloutRecord
 from .replay import recompute_from_target, replay_hidden, slot_teacher
 
@@ -256,31 +256,22 @@ def sequence_loss(
     """Replay one sequence and return its (loss, acc_kl_sum, rej_wkl_sum), 0-dim float32.
 
     ``loss = sum_i coef_i KL_i`` over the planned slots (already normalized over
-    the global batch). The lm_head and KL run in checkpointed chunks of
-    ``chunk_slots`` slots (SpecForge's ``checkpointed_chunk_reduce``), so dense
-    fp32 logits exist for one chunk at a time, in forward and in backward.
+    the global batch). The lm_head and KL run in chunks of ``chunk_slots``
+    slots with the gradient taken inside each chunk (``losses.linear_kl_loss``),
+    so dense fp32 logits exist for one chunk at a time and are never recomputed.
     """
     h = replay_hidden(drafter, embed_tokens, record, mask_token_id, attention_backend)  # [M, bs, H]
     device = h.device
     hs = h[plan.block.to(device), plan.slot.to(device)]  # slot k of block m
-    t = slot_teacher(record, plan, device)
-
-    def terms(hs, coef, reverse, rejected, weight, th, ti, tl, di, dl):
-        return chunk_kl_terms(hs, lm_head_weight, coef, reverse, rejected, weight, th, ti, tl, di, dl)
-
-    return checkpointed_chunk_reduce(
-        terms,
+    return linear_kl_loss(
         hs,
+        lm_head_weight,
         coef.to(device),
         plan.reverse.to(device),
         plan.rejected.to(device),
         plan.weight.to(device),
-        t.get("teacher_hidden"),
-        t.get("topk_ids"),
-        t.get("topk_logprobs"),
-        t.get("draft_ids"),
-        t.get("draft_logprob"),
-        chunk_size=chunk_slots,
+        chunk_slots=chunk_slots,
+        **slot_teacher(record, plan, device),
     )
 
 

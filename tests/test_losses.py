@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from specforge_opd.losses import (
-    chunk_kl_terms,
     kl_full,
     kl_token,
     kl_topk,
+    linear_kl_loss,
     plan_slots,
     slot_coefficients,
+    slot_kl,
 )
 
 V = 23
@@ -213,25 +214,62 @@ def test_all_forward_and_all_reverse_reduce_to_mixed_on_matching_blocks():
                - float(_loss_of([plan_slots(all_rej[0], bs)], student, teacher))) > 1e-4
 
 
-def test_chunk_terms_sum_to_the_unchunked_loss_and_gradient():
+def _plain_autograd_loss(h, W, coef, reverse, rejected, weight, teacher):
+    """The reference: dense logits, the KL functions, ordinary autograd (no chunking)."""
+    logits = h.to(W.dtype) @ W.t()
+    th = teacher.get("teacher_hidden")
+    kl = slot_kl(logits.float(), reverse, None if th is None else (th @ W.t()).float(),
+                 teacher.get("topk_ids"), teacher.get("topk_logprobs"), teacher.get("draft_ids"), teacher.get("draft_logprob"))
+    return (coef * kl).sum(), kl.detach()
+
+
+@pytest.mark.parametrize("form", ["full", "topk", "token"])
+@pytest.mark.parametrize("chunk", [3, 4, 1000])
+def test_linear_kl_loss_value_and_gradient_equal_plain_autograd(form, chunk):
     torch.manual_seed(7)
-    H, n = 8, 11
-    h = torch.randn(n, H, requires_grad=True)
+    H = 8
     W = torch.randn(V, H)
-    th = torch.randn(n, H)
     plan = plan_slots(torch.tensor([1, 0, 3, 2]), 4)
-    plan_n = plan.num_slots
-    assert plan_n >= n
-    coef = slot_coefficients(plan, plan.n_acc(), plan.w_rej())[:n]
-    args = (coef, plan.reverse[:n], plan.rejected[:n], plan.weight[:n])
-    full, acc, rej = chunk_kl_terms(h, W, *args, teacher_hidden=th)
-    g_full = torch.autograd.grad(full, h)[0]
-    parts = [chunk_kl_terms(h[i : i + 3], W, *(a[i : i + 3] for a in args), teacher_hidden=th[i : i + 3]) for i in range(0, n, 3)]
-    total = sum(p[0] for p in parts)
-    g_chunk = torch.autograd.grad(total, h)[0]
-    torch.testing.assert_close(total, full)
-    torch.testing.assert_close(g_chunk, g_full)
+    n = plan.num_slots
+    coef = slot_coefficients(plan, plan.n_acc(), plan.w_rej())
+    args = (coef, plan.reverse, plan.rejected, plan.weight)
+    teacher = {}
+    if form == "full":
+        teacher["teacher_hidden"] = torch.randn(n, H)
+    else:
+        teacher["draft_ids"] = torch.randint(0, V, (n,))
+        teacher["draft_logprob"] = -torch.rand(n) * 3
+        if form == "topk":
+            teacher["topk_ids"] = torch.stack([torch.randperm(V)[:5] for _ in range(n)])
+            teacher["topk_logprobs"] = torch.log_softmax(torch.randn(n, 5), -1) - 0.5
+    h = torch.randn(n, H, requires_grad=True)
+    ref, kl = _plain_autograd_loss(h, W, *args, teacher)
+    g_ref = torch.autograd.grad(ref, h)[0]
+    h2 = h.detach().clone().requires_grad_(True)
+    # the gradient must flow through whatever produced the hidden states
+    loss, acc, rej = linear_kl_loss(h2 * 1.0, W, *args, chunk_slots=chunk, **teacher)
+    loss.backward()
+    torch.testing.assert_close(loss, ref.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h2.grad, g_ref, atol=1e-6, rtol=1e-5)
+    assert float(g_ref.abs().sum()) > 0
+    torch.testing.assert_close(acc, kl[~plan.rejected].sum())
+    torch.testing.assert_close(rej, (kl * plan.weight)[plan.rejected].sum())
     assert float(acc) > 0 and float(rej) > 0
+    # without grad it returns the same value and keeps no graph
+    with torch.no_grad():
+        l2, _, _ = linear_kl_loss(h2, W, *args, chunk_slots=chunk, **teacher)
+    assert not l2.requires_grad and float(l2) == pytest.approx(float(loss.detach()), abs=1e-6)
+
+
+def test_linear_kl_loss_refuses_a_trainable_lm_head_and_a_zero_chunk():
+    plan = plan_slots(torch.tensor([1]), 4)
+    coef = slot_coefficients(plan, plan.n_acc(), plan.w_rej())
+    args = (coef, plan.reverse, plan.rejected, plan.weight)
+    h, th = torch.randn(3, 8), torch.randn(3, 8)
+    with pytest.raises(ValueError, match="frozen"):
+        linear_kl_loss(h, torch.randn(V, 8, requires_grad=True), *args, teacher_hidden=th)
+    with pytest.raises(ValueError, match="training.chunk_slots"):
+        linear_kl_loss(h, torch.randn(V, 8), *args, chunk_slots=0, teacher_hidden=th)
 
 
 def test_bad_config_values_name_the_field():
