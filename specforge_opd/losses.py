@@ -216,7 +216,9 @@ def kl_full(student_logits: torch.Tensor, teacher_logits: torch.Tensor, reverse:
     return (w * diff).sum(-1)
 
 
-def kl_full_and_grad(student_logits: torch.Tensor, teacher_logits: torch.Tensor, reverse: torch.Tensor):
+def kl_full_and_grad(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, reverse: torch.Tensor, *, inplace: bool = False
+):
     """``kl_full`` and its gradient with respect to the student logits, in closed form.
 
     With q = softmax(z), D = log q - log p (paper appendix 8 terms):
@@ -225,15 +227,22 @@ def kl_full_and_grad(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     Same values as autograd through ``kl_full`` with fewer passes over [N, V]
     (the trainer's hot loop with the ``full`` teacher).
 
-    Args: as ``kl_full``. Returns: (kl float32 [N], grad float32 [N, V]).
+    Args: as ``kl_full``; ``inplace=True`` reuses the two (float32) logits
+        tensors as work buffers, which overwrites them: peak memory is then
+        three [N, V] float32 buffers beyond the inputs' own.
+    Returns: (kl float32 [N], grad float32 [N, V]).
     """
-    logq = F.log_softmax(student_logits.float(), dim=-1)
-    logp = F.log_softmax(teacher_logits.float(), dim=-1)
+    z, t = student_logits.float(), teacher_logits.float()
+    if not inplace:
+        z, t = z.clone(), t.clone()
+    logq = z.sub_(torch.logsumexp(z, -1, keepdim=True))
+    logp = t.sub_(torch.logsumexp(t, -1, keepdim=True))
     q = logq.exp()
     d = logq.sub_(logp)  # D, in the log q buffer
     p = logp.exp_()  # p, in the log p buffer
+    # einsum row dot products: no [N, V] temporaries
+    kl = torch.where(reverse, torch.einsum("nv,nv->n", q, d), -torch.einsum("nv,nv->n", p, d))
     rev = reverse.view(-1, 1)
-    kl = torch.where(reverse, (q * d).sum(-1), -(p * d).sum(-1))
     grad = torch.where(rev, d.sub_(kl.view(-1, 1)).mul_(q), p.neg_().add_(q))
     return kl, grad
 
@@ -370,7 +379,7 @@ def _chunk_kl_and_grad(logits, teacher_logits, reverse, coef, need_grad, topk_id
     if not need_grad:
         return slot_kl(logits, reverse, teacher_logits, topk_ids, topk_logprobs, draft_ids, draft_logprob), None
     if teacher_logits is not None:
-        kl, g = kl_full_and_grad(logits, teacher_logits, reverse)
+        kl, g = kl_full_and_grad(logits, teacher_logits, reverse, inplace=True)
         return kl, g.mul_(coef.view(-1, 1))
     # topk/token: autograd over the fp32 logits only (a leaf here; the matmul stays outside)
     with torch.enable_grad():

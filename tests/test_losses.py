@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from specforge_opd.losses import (
     kl_full,
+    kl_full_and_grad,
     kl_token,
     kl_topk,
     linear_kl_loss,
@@ -212,6 +213,21 @@ def test_all_forward_and_all_reverse_reduce_to_mixed_on_matching_blocks():
     student, teacher = _rand_batch(all_rej, bs, seed=6)
     assert abs(float(_loss_of([plan_slots(all_rej[0], bs, loss="all_forward")], student, teacher))
                - float(_loss_of([plan_slots(all_rej[0], bs)], student, teacher))) > 1e-4
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_kl_full_and_grad_equal_autograd_through_kl_full(inplace):
+    torch.manual_seed(3)
+    s, t = torch.randn(6, V, requires_grad=True), torch.randn(6, V) * 2
+    rev = torch.tensor([False, True, True, False, True, False])
+    ref = kl_full(s, t, rev)
+    g_ref = torch.autograd.grad(ref.sum(), s)[0]
+    s_in, t_in = s.detach().clone(), t.clone()
+    kl, g = kl_full_and_grad(s_in, t_in, rev, inplace=inplace)
+    torch.testing.assert_close(kl, ref.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-6)
+    # without inplace the inputs are untouched; with it they were used as buffers
+    assert torch.equal(s_in, s.detach()) != inplace and torch.equal(t_in, t) != inplace
 
 
 def _plain_autograd_loss(h, W, coef, reverse, rejected, weight, teacher):
