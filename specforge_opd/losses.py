@@ -230,8 +230,16 @@ def kl_full_and_grad(
     Args: as ``kl_full``; ``inplace=True`` reuses the two (float32) logits
         tensors as work buffers, which overwrites them: peak memory is then
         three [N, V] float32 buffers beyond the inputs' own.
+    Runs in float32 with autocast disabled (under bf16 autocast the row dot
+    products would otherwise run in bf16).
+
     Returns: (kl float32 [N], grad float32 [N, V]).
     """
+    with torch.autocast(student_logits.device.type, enabled=False):
+        return _kl_full_and_grad(student_logits, teacher_logits, reverse, inplace)
+
+
+def _kl_full_and_grad(student_logits, teacher_logits, reverse, inplace):
     z, t = student_logits.float(), teacher_logits.float()
     if not inplace:
         z, t = z.clone(), t.clone()

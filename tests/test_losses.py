@@ -226,6 +226,12 @@ def test_kl_full_and_grad_equal_autograd_through_kl_full(inplace):
     kl, g = kl_full_and_grad(s_in, t_in, rev, inplace=inplace)
     torch.testing.assert_close(kl, ref.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-6)
+    # bf16 autocast (the trainer's GPU setting) does not lower the KL's precision
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kl_ac, g_ac = kl_full_and_grad(s.detach(), t, rev)
+    assert kl_ac.dtype == torch.float32 and g_ac.dtype == torch.float32
+    torch.testing.assert_close(kl_ac, ref.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g_ac, g_ref, atol=1e-6, rtol=1e-6)
     # without inplace the inputs are untouched; with it they were used as buffers
     assert torch.equal(s_in, s.detach()) != inplace and torch.equal(t_in, t) != inplace
 
