@@ -229,7 +229,7 @@ def kl_full_and_grad(
 
     Args: as ``kl_full``; ``inplace=True`` reuses the two (float32) logits
         tensors as work buffers, which overwrites them: peak memory is then
-        three [N, V] float32 buffers beyond the inputs' own.
+        two [N, V] float32 buffers beyond the inputs' own, three with the result.
     Runs in float32 with autocast disabled (under bf16 autocast the row dot
     products would otherwise run in bf16).
 
@@ -243,13 +243,22 @@ def _kl_full_and_grad(student_logits, teacher_logits, reverse, inplace):
     z, t = student_logits.float(), teacher_logits.float()
     if not inplace:
         z, t = z.clone(), t.clone()
-    logq = z.sub_(torch.logsumexp(z, -1, keepdim=True))
-    logp = t.sub_(torch.logsumexp(t, -1, keepdim=True))
+    # Shift by the row max before the log-sum-exp (as log_softmax does): subtracting
+    # a large lse directly rounds log q at the spacing of the largest logit.
+    logq = z.sub_(z.amax(-1, keepdim=True))
+    logq = logq.sub_(torch.logsumexp(logq, -1, keepdim=True))
+    logp = t.sub_(t.amax(-1, keepdim=True))
+    logp = logp.sub_(torch.logsumexp(logp, -1, keepdim=True))
     q = logq.exp()
     d = logq.sub_(logp)  # D, in the log q buffer
     p = logp.exp_()  # p, in the log p buffer
-    # einsum row dot products: no [N, V] temporaries
-    kl = torch.where(reverse, torch.einsum("nv,nv->n", q, d), -torch.einsum("nv,nv->n", p, d))
+    # Row dot products through one reused buffer, not einsum: a matmul there
+    # would run in TF32 wherever a user enables it.
+    tmp = torch.mul(q, d)
+    kl_rev = tmp.sum(-1)
+    kl_fwd = -torch.mul(p, d, out=tmp).sum(-1)
+    del tmp
+    kl = torch.where(reverse, kl_rev, kl_fwd)
     rev = reverse.view(-1, 1)
     grad = torch.where(rev, d.sub_(kl.view(-1, 1)).mul_(q), p.neg_().add_(q))
     return kl, grad
@@ -377,6 +386,7 @@ class _PrecomputedGrad(torch.autograd.Function):
         return value.clone()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
         return grad * grad_out.to(grad.dtype), None, None
@@ -439,9 +449,10 @@ def linear_kl_loss(
         (loss, acc_kl_sum, rej_wkl_sum): 0-dim float32. ``loss`` carries the
         gradient to ``student_hidden``; the sums (detached) feed the L_acc / L_rej
         metrics (accepted-slot KL sum, rejected-slot ``w_k``-weighted KL sum).
-        Double backward is not supported.
+        Double backward raises (the gradient is precomputed, not differentiable).
     Raises:
-        ValueError: ``chunk_slots`` < 1, an empty slot set, or an lm_head that requires grad.
+        ValueError: ``chunk_slots`` < 1, an empty slot set, per-slot tensors whose
+            first dimension is not N, or an lm_head that requires grad.
     """
     if chunk_slots < 1:
         raise ValueError(f"training.chunk_slots={chunk_slots}: must be >= 1")
@@ -450,6 +461,11 @@ def linear_kl_loss(
     n = student_hidden.shape[0]
     if n == 0:
         raise ValueError("linear_kl_loss received no slots")
+    per_slot = dict(coef=coef, reverse=reverse, rejected=rejected, weight=weight, teacher_hidden=teacher_hidden, topk_ids=topk_ids,
+                    topk_logprobs=topk_logprobs, draft_ids=draft_ids, draft_logprob=draft_logprob)
+    for name, x in per_slot.items():
+        if x is not None and x.shape[0] != n:
+            raise ValueError(f"linear_kl_loss: {name} has {x.shape[0]} slots, student_hidden has {n}; pass tensors aligned per slot")
     w = lm_head_weight
     need_grad = torch.is_grad_enabled() and student_hidden.requires_grad
     h = student_hidden.detach()

@@ -236,6 +236,50 @@ def test_kl_full_and_grad_equal_autograd_through_kl_full(inplace):
     assert torch.equal(s_in, s.detach()) != inplace and torch.equal(t_in, t) != inplace
 
 
+def test_kl_full_and_grad_is_as_precise_as_float32_autograd():
+    # Regression: subtracting the log-sum-exp without the row max first made the
+    # KL ~10x less precise than log_softmax + autograd near the teacher.
+    def ref64(s, t, rev):
+        logq, logp = F.log_softmax(s, -1), F.log_softmax(t, -1)
+        return torch.where(rev, (logq.exp() * (logq - logp)).sum(-1), (logp.exp() * (logp - logq)).sum(-1))
+
+    torch.manual_seed(4)
+    t = torch.randn(8, 5000, dtype=torch.float64) * 3
+    cases = [(t + 0.05 * torch.randn_like(t), False), (t + 0.05 * torch.randn_like(t), True),
+             (torch.randn(8, 5000, dtype=torch.float64) * 150, True), (torch.randn(8, 5000, dtype=torch.float64) * 150, False)]
+    for s, r in cases:
+        rev = torch.full((8,), r)
+        s64 = s.clone().requires_grad_(True)
+        ref = ref64(s64, t, rev)
+        g_ref = torch.autograd.grad(ref.sum(), s64)[0]
+        s32 = s.float().requires_grad_(True)
+        a = kl_full(s32, t.float(), rev)
+        g_a = torch.autograd.grad(a.sum(), s32)[0]
+        kl, g = kl_full_and_grad(s.float(), t.float(), rev)
+        err = lambda x, y: float(((x.double() - y).abs() / y.abs().clamp_min(1e-30)).max())  # noqa: E731
+        gerr = lambda x, y: float((x.double() - y).abs().max() / y.abs().max())  # noqa: E731
+        assert err(kl, ref.detach()) <= 3 * err(a.detach(), ref.detach()) + 1e-7
+        assert gerr(g, g_ref) <= 3 * gerr(g_a, g_ref) + 1e-7
+
+
+def test_linear_kl_loss_refuses_double_backward_and_misaligned_slots():
+    torch.manual_seed(2)
+    plan = plan_slots(torch.tensor([1, 0]), 4)
+    n = plan.num_slots
+    coef = slot_coefficients(plan, plan.n_acc(), plan.w_rej())
+    args = (coef, plan.reverse, plan.rejected, plan.weight)
+    W, th = torch.randn(V, 8), torch.randn(n, 8)
+    h = torch.randn(n, 8, requires_grad=True)
+    loss, _, _ = linear_kl_loss(h, W, *args, teacher_hidden=th)
+    (g,) = torch.autograd.grad(loss ** 2, h, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.sum(), h)
+    with pytest.raises(ValueError, match="teacher_hidden has"):
+        linear_kl_loss(h, W, *args, teacher_hidden=torch.randn(n + 1, 8))
+    with pytest.raises(ValueError, match="coef has"):
+        linear_kl_loss(h[:-1], W, *args, teacher_hidden=th[:-1])
+
+
 def _plain_autograd_loss(h, W, coef, reverse, rejected, weight, teacher):
     """The reference: dense logits, the KL functions, ordinary autograd (no chunking)."""
     logits = h.to(W.dtype) @ W.t()
