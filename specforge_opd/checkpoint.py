@@ -61,7 +61,7 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model, optimizer, trainer_state: dict) -> Path:
+def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model, optimizer, trainer_state: dict, *, keep: Optional[int] = None) -> Path:
     """Write a resumable checkpoint for ``step``; every rank must call it (collective).
 
     Args:
@@ -69,6 +69,9 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model, optimizer, t
         model / optimizer: the (possibly FSDP2-sharded) drafter and its optimizer;
             DCP writes each rank's shards.
         trainer_state: JSON-serializable dict (counters, cursor, scheduler state, fingerprint).
+        keep: when set, keep only the ``keep`` newest step directories (``training.keep_checkpoints``);
+            older ones are deleted after ``latest`` names the new one, so a kill
+            during pruning still leaves a complete latest checkpoint.
     Returns:
         The completed step directory.
     """
@@ -90,6 +93,11 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model, optimizer, t
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(root / LATEST, final.name + "\n")
+        if keep is not None:
+            steps = sorted(d for d in root.glob("step-*") if d.is_dir())
+            for old in steps[: max(0, len(steps) - keep)]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 

@@ -142,6 +142,9 @@ class TrainingConfig(Section):
     log_interval: int = Field(default=1, gt=0)
     #: OPD trainer: save a resumable checkpoint every this many optimizer steps (and at the end).
     checkpoint_interval: int = Field(default=50, gt=0)
+    #: OPD trainer: keep this many newest checkpoints; older step directories are deleted
+    #: once a newer one is complete (each holds the drafter and its Adam moments).
+    keep_checkpoints: int = Field(default=2, gt=0)
     #: OPD trainer: "auto" = bf16 params/compute on GPUs (fp32 master weights and
     #: gradient reduction), fp32 on CPUs.
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"

@@ -516,7 +516,7 @@ def distill(
             optimizer.zero_grad(set_to_none=True)
             if not finite and nonfinite_run >= tc.max_nonfinite_steps:
                 where = bad_local or batch[0]
-                save_checkpoint(ckpt_root, step, drafter, optimizer, trainer_state())
+                save_checkpoint(ckpt_root, step, drafter, optimizer, trainer_state())  # prunes nothing: older ones are the good ones
                 raise NonFiniteError(
                     f"step {step}: non-finite loss or gradient for {nonfinite_run} steps in a row "
                     f"(training.max_nonfinite_steps={tc.max_nonfinite_steps}); record {where.sample_id} of shard "
@@ -547,7 +547,7 @@ def distill(
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
             if step % tc.checkpoint_interval == 0 or step == total:
-                save_checkpoint(ckpt_root, step, drafter, optimizer, trainer_state())
+                save_checkpoint(ckpt_root, step, drafter, optimizer, trainer_state(), keep=tc.keep_checkpoints)
             steps_run += 1
             if fault_after_steps is not None and steps_run >= fault_after_steps and step < total:
                 raise InjectedFault(f"injected fault after step {step}")

@@ -90,6 +90,8 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, setup):
     kw = dict(learning_rate=1e-3, num_epochs=2, batch_size=1, accumulation_steps=2, checkpoint_interval=2, warmup_ratio=0.2)
     full = distill(_cfg(tmp_path / "a", **kw), drafter_init=drafter, out_dir=tmp_path / "a", target=target, records=records, progress=False)
     assert full.total_steps == 6
+    # training.keep_checkpoints (default 2): older step directories are pruned
+    assert sorted(d.name for d in (tmp_path / "a" / "checkpoints").glob("step-*")) == ["step-000004", "step-000006"]
     with pytest.raises(InjectedFault):
         distill(_cfg(tmp_path / "b", **kw), drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=records, progress=False, fault_after_steps=3)
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step-000002"
@@ -101,6 +103,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, setup):
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
     rows = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3, 4, 5, 6]
+    assert sorted(d.name for d in (tmp_path / "b" / "checkpoints").glob("step-*")) == ["step-000004", "step-000006"]
 
 
 def test_resume_at_epoch_boundary_trains_the_next_epoch(tmp_path, setup):
