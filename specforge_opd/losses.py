@@ -392,17 +392,20 @@ class _PrecomputedGrad(torch.autograd.Function):
         return grad * grad_out.to(grad.dtype), None, None
 
 
-def _chunk_kl_and_grad(logits, teacher_logits, reverse, coef, need_grad, topk_ids, topk_logprobs, draft_ids, draft_logprob):
-    """Per-slot KL [n] of one chunk and, when ``need_grad``, d(sum coef KL)/d logits [n, V] (else None)."""
+def _chunk_kl_and_grad(logits, teacher_logits, reverse, coef, need_grad, **token_teacher):
+    """Per-slot KL [n] of one chunk and, when ``need_grad``, d(sum coef KL)/d logits [n, V] (else None).
+
+    ``token_teacher``: the topk/token teacher tensors of the chunk (``slot_kl``'s keywords).
+    """
     if not need_grad:
-        return slot_kl(logits, reverse, teacher_logits, topk_ids, topk_logprobs, draft_ids, draft_logprob), None
+        return slot_kl(logits, reverse, teacher_logits, **token_teacher), None
     if teacher_logits is not None:
         kl, g = kl_full_and_grad(logits, teacher_logits, reverse, inplace=True)
         return kl, g.mul_(coef.view(-1, 1))
     # topk/token: autograd over the fp32 logits only (a leaf here; the matmul stays outside)
     with torch.enable_grad():
         logits.requires_grad_(True)
-        kl = slot_kl(logits, reverse, teacher_logits, topk_ids, topk_logprobs, draft_ids, draft_logprob)
+        kl = slot_kl(logits, reverse, **token_teacher)
         (g,) = torch.autograd.grad((coef * kl).sum(), logits)
     return kl.detach(), g
 
@@ -461,8 +464,8 @@ def linear_kl_loss(
     n = student_hidden.shape[0]
     if n == 0:
         raise ValueError("linear_kl_loss received no slots")
-    per_slot = dict(coef=coef, reverse=reverse, rejected=rejected, weight=weight, teacher_hidden=teacher_hidden, topk_ids=topk_ids,
-                    topk_logprobs=topk_logprobs, draft_ids=draft_ids, draft_logprob=draft_logprob)
+    token_teacher = dict(topk_ids=topk_ids, topk_logprobs=topk_logprobs, draft_ids=draft_ids, draft_logprob=draft_logprob)
+    per_slot = dict(coef=coef, reverse=reverse, rejected=rejected, weight=weight, teacher_hidden=teacher_hidden, **token_teacher)
     for name, x in per_slot.items():
         if x is not None and x.shape[0] != n:
             raise ValueError(f"linear_kl_loss: {name} has {x.shape[0]} slots, student_hidden has {n}; pass tensors aligned per slot")
@@ -477,13 +480,8 @@ def linear_kl_loss(
         with torch.no_grad():
             logits = (h[sl].to(w.dtype) @ w.t()).float()
             teacher_logits = None if teacher_hidden is None else (teacher_hidden[sl].to(w.dtype) @ w.t()).float()
-        kl, g = _chunk_kl_and_grad(
-            logits, teacher_logits, reverse[sl], coef[sl], need_grad,
-            None if topk_ids is None else topk_ids[sl],
-            None if topk_logprobs is None else topk_logprobs[sl],
-            None if draft_ids is None else draft_ids[sl],
-            None if draft_logprob is None else draft_logprob[sl],
-        )
+        chunk_teacher = {k: None if v is None else v[sl] for k, v in token_teacher.items()}
+        kl, g = _chunk_kl_and_grad(logits, teacher_logits, reverse[sl], coef[sl], need_grad, **chunk_teacher)
         chunk_loss = (coef[sl] * kl).sum()
         if need_grad:
             grad_h[sl] = (g.to(w.dtype) @ w).to(h.dtype)
