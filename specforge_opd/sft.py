@@ -114,6 +114,15 @@ def _mark_done(d: Path, key: str, inputs: dict, stats: dict) -> None:
     _write_json(d / MARKER, {"key": key, "inputs": inputs, "stats": stats, "finished_at": time.time()})
 
 
+def _keyed_step(name: str, d: Path, key: str, inputs: dict, run, skipped: list[str]) -> None:
+    """Run one resumable SFT step: skip it when ``d`` is done under ``key``, else ``run()`` -> stats and mark it done."""
+    if is_done(d, key):
+        skipped.append(name)
+        print(f"[sft {name}] done already: {d}", flush=True)
+    else:
+        _mark_done(d, key, inputs, run())
+
+
 def dir_bytes(path: Path) -> int:
     """Bytes under ``path`` (symlinks not followed)."""
     total = 0
@@ -978,13 +987,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                 "backend": cfg.rollout.backend}
     r_key = hash_inputs(r_inputs)
     r_dir = _reusable_step(cfg, out, "responses", r_key)
-    if is_done(r_dir, r_key):
-        skipped.append("responses")
-        print(f"[sft responses] done already: {r_dir}", flush=True)
-    else:
-        stats = run_responses(r_dir, tokenized, get_bundle(), cfg)
-        stats["prompts_too_long_skipped"] = too_long
-        _mark_done(r_dir, r_key, r_inputs, stats)
+    _keyed_step("responses", r_dir, r_key, r_inputs,
+                lambda: dict(run_responses(r_dir, tokenized, get_bundle(), cfg), prompts_too_long_skipped=too_long), skipped)
     timings["responses"] = time.time() - t0
 
     # -- features
@@ -993,12 +997,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                 "dtype": cfg.target.dtype}
     f_key = hash_inputs(f_inputs)
     f_dir = _reusable_step(cfg, out, "features", f_key)
-    if is_done(f_dir, f_key):
-        skipped.append("features")
-        print(f"[sft features] done already: {f_dir}", flush=True)
-    else:
-        stats = run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg)
-        _mark_done(f_dir, f_key, f_inputs, stats)
+    _keyed_step("features", f_dir, f_key, f_inputs,
+                lambda: run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg), skipped)
     n_samples = json.loads((f_dir / MARKER).read_text())["stats"]["samples"]
     timings["features"] = time.time() - t0
 
@@ -1011,10 +1011,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                 "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
     t_key = hash_inputs(t_inputs)
     t_dir = step_dir(out, "train", t_key)
-    if is_done(t_dir, t_key):
-        skipped.append("train")
-        print(f"[sft train] done already: {t_dir}", flush=True)
-    else:
+
+    def train() -> dict:
         dfile = t_dir / "draft_config" / "config.json"
         text = json.dumps(dcfg_dict, indent=2, sort_keys=True) + "\n"
         # SpecForge's resume contract hashes this file: rewrite only when it changed.
@@ -1022,8 +1020,9 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
             atomic_write_bytes(dfile, text.encode())
         run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
                                    out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus)
-        stats = run_train(t_dir, run, cfg, gpus)
-        _mark_done(t_dir, t_key, t_inputs, stats)
+        return run_train(t_dir, run, cfg, gpus)
+
+    _keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
     ckpt = Path(json.loads((t_dir / MARKER).read_text())["stats"]["checkpoint"])
     timings["train"] = time.time() - t0
 
