@@ -39,7 +39,11 @@ def experiment_parser(prog: str, description: str = "") -> argparse.ArgumentPars
 def parse_experiment(
     parser: argparse.ArgumentParser, argv: list[str], extra_flags: Optional[Callable] = None
 ) -> tuple[argparse.Namespace, ExperimentConfig]:
-    """Parse argv with ``parser`` and load the config; exits with one clear line on a config error."""
+    """Parse argv with ``parser`` and load the config; exits with one clear line on a config error.
+
+    Every verb comes through here, so this is where a process's torch threads are set
+    (``target.apply_threads(target.threads)``).
+    """
     args = parser.parse_args(argv)
     flags = {"output.dir": args.out}
     if extra_flags is not None:
@@ -49,6 +53,9 @@ def parse_experiment(
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    from .target import apply_threads
+
+    apply_threads(cfg.target.threads)
     return args, cfg
 
 

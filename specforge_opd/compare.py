@@ -102,6 +102,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     sft_cfg = load_config(args.sft_config, args.overrides)
     opd_cfg = load_config(args.opd_config, args.overrides)
+    from .target import apply_threads
+
+    apply_threads(opd_cfg.target.threads)
     sft_final = Path(sft_cfg.resolve_path(sft_cfg.output.dir)) / "final"
     opd_final = Path(opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides)

@@ -51,6 +51,14 @@ class TargetConfig(Section):
     #: Asset cache for the embedded target and parsed prompt sources
     #: (None: $SPECFORGE_OPD_CACHE, else ~/.cache/specforge_opd).
     cache_dir: Optional[str] = None
+    #: torch intra-op threads of every process this run starts (the SpecForge
+    #: subprocess included), capped at the cores the process may use divided by the
+    #: processes per node (torchrun's LOCAL_WORLD_SIZE). Default from
+    #: benchmarks/bench_decode.py on the 2-core machine: see the README.
+    threads: int = Field(default=2, ge=1)
+    #: Prompts go through the target in chunks of this many tokens (bounds the
+    #: prefill's mask and attention scores to [chunk, context]).
+    prefill_chunk: int = Field(default=256, ge=1)
 
 
 class DraftConfig(Section):

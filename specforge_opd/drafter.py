@@ -210,6 +210,23 @@ def read_drafter_metadata(path: str | os.PathLike) -> dict:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
+def check_target_dtype(metadata: dict, target_dtype: str, where) -> None:
+    """Refuse a drafter trained against a target of another dtype (its features and teacher differ).
+
+    ``metadata`` is the export's ``specforge_opd.json``; one without ``target_dtype``
+    (a published or SpecForge checkpoint) is accepted.
+
+    Raises:
+        DrafterError: the recorded dtype is not ``target_dtype``.
+    """
+    have = metadata.get("target_dtype")
+    if have is not None and have != target_dtype:
+        raise DrafterError(
+            f"drafter {where} was trained against a {have} target, but target.dtype={target_dtype}; "
+            f"set target.dtype={have}, or train the drafter again with this dtype"
+        )
+
+
 def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
     """Read a DFlash ``config.json`` (directory or file) into a ``Qwen3Config``.
 

@@ -135,6 +135,7 @@ class TrajectoryCache:
         self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
         #: Target forwards spent filling the cache (greedy steps are not counted separately).
         self.target_calls = 0
+        self._dtype = str(next(target_model.parameters()).dtype).replace("torch.", "")
 
     def key(self, prompt_ids: Sequence[int]) -> str:
         payload = json.dumps(
@@ -162,6 +163,9 @@ class TrajectoryCache:
             return None
         if meta.get("target") != self.identity or int(meta.get("version", -1)) != CACHE_VERSION:
             return None
+        if meta.get("target_dtype", self._dtype) != self._dtype:
+            raise EvalError(f"trajectory cache entry {path} holds a {meta['target_dtype']} target's trajectory, this target is "
+                            f"{self._dtype}; point eval.cache_dir elsewhere or delete the entry")
         feats = {int(k.split("_", 1)[1]): v for k, v in t.items() if k.startswith("layer_")}
         return Trajectory(t["input_ids"], int(meta["prompt_len"]), feats, t["top2_gap"], meta["finished"] == "1")
 
@@ -171,7 +175,7 @@ class TrajectoryCache:
             return
         tensors = {"input_ids": tr.input_ids, "top2_gap": tr.top2_gap}
         tensors.update({f"layer_{i}": v for i, v in tr.features.items()})
-        meta = {"version": str(CACHE_VERSION), "target": self.identity, "prompt_len": str(tr.prompt_len),
+        meta = {"version": str(CACHE_VERSION), "target": self.identity, "target_dtype": self._dtype, "prompt_len": str(tr.prompt_len),
                 "finished": "1" if tr.finished else "0", "max_new_tokens": str(self.max_new_tokens)}
         _atomic_save(tensors, meta, path)
 
@@ -441,7 +445,8 @@ def live_decode(cfg: ExperimentConfig, target_model, drafter, prompts: list[list
         raise EvalError(f"live decoding needs specforge_opd.rollout.SpeculativeEngine ({e}); use eval.mode=offline at temperature 0") from e
     rcfg = _rollout_config(cfg, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens or cfg.eval.max_new_tokens)
     engine = SpeculativeEngine(target_model, drafter, rcfg, stop_token_ids=list(stop_token_ids), mask_token_id=drafter_mask_token_id(drafter),
-                               max_context=cfg.target.max_context, too_long=cfg.target.too_long)
+                               max_context=cfg.target.max_context, too_long=cfg.target.too_long,
+                               prefill_chunk=cfg.target.prefill_chunk)
     records = []
     bsz = cfg.eval.batch_size
     sample_ids = sample_ids or [str(i) for i in range(len(prompts))]

@@ -190,7 +190,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         and whatever the rollout, shards and trainer raise on bad input.
     """
     from .chat import render_prompt
-    from .drafter import drafter_layer_ids, drafter_mask_token_id, read_drafter_metadata
+    from .drafter import check_target_dtype, drafter_layer_ids, drafter_mask_token_id, read_drafter_metadata
     from .rollout import SpeculativeEngine
     from .sft import load_any_drafter
     from .target import load_target
@@ -242,6 +242,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         src = state["drafter"]
         init = load_any_drafter(src, bundle.model.config, expected_mask_token_id=cfg.draft.mask_token_id)
         meta = read_drafter_metadata(src) if Path(src).is_dir() else {}
+        check_target_dtype(meta, cfg.target.dtype, src)
         save_drafter(init, out / "initial_drafter", metadata=dict(meta, source=str(src)))
     if world > 1:
         import torch.distributed as dist
@@ -275,7 +276,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         mine = [(f"{prompts[i][0]}#g{it * plan.prompts_per_iteration + j}", prompts[i][1]) for j, i in enumerate(idx)][rank::world]
         engine = SpeculativeEngine(
             bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
-            max_context=cfg.target.max_context, too_long=cfg.target.too_long,
+            max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
         )
         if fault and fault.startswith("rollout:"):
             engine = _FaultyEngine(engine, int(fault.split(":")[1]))
@@ -285,7 +286,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             "mask_token_id": drafter_mask_token_id(drafter), "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
             "top_k": cfg.rollout.top_k, "seed": cfg.rollout.seed + it, "teacher": cfg.rollout.teacher,
             "anchors": cfg.rollout.anchors, "features": cfg.rollout.store_features, "thinking": cfg.target.thinking,
-            "iteration": it,
+            "iteration": it, "target_dtype": cfg.target.dtype,
         }
         rcfg = cfg.model_copy(deep=True)
         rcfg.rollout.seed = cfg.rollout.seed + it

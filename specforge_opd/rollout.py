@@ -37,6 +37,7 @@ import torch
 
 from .adapter import create_dflash_sdpa_mask, extract_context_feature
 from .config import RolloutConfig
+from .decode import HFCache, TargetRunner
 from .records import RolloutRecord
 
 log = logging.getLogger(__name__)
@@ -123,27 +124,33 @@ def _step_mask(kv_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
     return torch.cat([old, new], dim=2).unsqueeze(1)
 
 
-def _cache_layers(cache):
-    return [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
+def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, layer_ids=None, chunk: int = 256):
+    """Run left-padded prompts through the target in chunks of ``chunk`` columns, appending to ``cache``.
 
+    No forward sees more than ``chunk`` queries, so no [P, P] mask or score matrix
+    is built for a long prompt. Pad slots are holes (``valid`` False).
 
-def _cache_select_rows(cache, idx: torch.Tensor) -> None:
-    for layer in _cache_layers(cache):
-        layer.keys = layer.keys.index_select(0, idx.to(layer.keys.device))
-        layer.values = layer.values.index_select(0, idx.to(layer.values.device))
-
-
-def _cache_gather_slots(cache, slot_idx: torch.Tensor) -> None:
-    """Rewrite every layer so that slot j of row b becomes old slot ``slot_idx[b, j]``."""
-    for layer in _cache_layers(cache):
-        k = layer.keys
-        idx = slot_idx.to(k.device).view(k.shape[0], 1, -1, 1).expand(k.shape[0], k.shape[1], -1, k.shape[3])
-        layer.keys = torch.gather(k, 2, idx)
-        layer.values = torch.gather(layer.values, 2, idx)
-
-
-def _cache_len(cache) -> int:
-    return int(cache.get_seq_length())
+    Args:
+        runner: ``decode.TargetRunner``; cache: its ``new_cache`` (empty).
+        ids, pos: int64 [B, P]; valid: bool [B, P].
+        layer_ids: decoder layers whose features to return, or None.
+    Returns:
+        (final-norm hidden of the last column [B, 1, H], features [B, P, n*H] or None).
+    Raises:
+        ValueError: ``chunk`` < 1 (``target.prefill_chunk``).
+    """
+    if chunk < 1:
+        raise ValueError(f"target.prefill_chunk={chunk}: must be at least 1")
+    P = ids.shape[1]
+    feats = []
+    hidden = None
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        mask = _step_mask(valid[:, :s], valid[:, s:e])
+        hidden, f = runner.forward(ids[:, s:e], pos[:, s:e], mask, cache, layer_ids)
+        if f is not None:
+            feats.append(f)
+    return hidden[:, -1:], (torch.cat(feats, dim=1) if feats else None)
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +281,8 @@ class SpeculativeEngine:
             prompt's id goes to ``self.skipped``; ``generate`` returns records for the rest).
         record_draft_logits: also keep the drafter's logits [M, bs-1, V] in ``record.extra``
             (tests and debugging; not written to shards).
+        prefill_chunk: prompts go through the target in chunks of this many tokens
+            (``target.prefill_chunk``).
 
     Raises:
         RolloutError / ``drafter.DrafterError``: drafter and target do not fit (hidden size,
@@ -291,6 +300,7 @@ class SpeculativeEngine:
         max_context: Optional[int] = None,
         too_long: str = "error",
         record_draft_logits: bool = False,
+        prefill_chunk: int = 256,
     ):
         from .drafter import check_compatible
 
@@ -310,6 +320,9 @@ class SpeculativeEngine:
         self.max_context = int(max_context or getattr(tcfg, "max_position_embeddings", 1 << 30))
         self.too_long = too_long
         self.record_draft_logits = record_draft_logits
+        self.prefill_chunk = int(prefill_chunk)
+        #: The target's forward on a preallocated KV cache (``decode.TargetRunner``).
+        self.runner = TargetRunner.of(target_model)
         self.device = next(target_model.parameters()).device
         self.skipped: list[str] = []
         #: Squeeze cache holes once the cache has ``compact_min_slots`` slots and the valid
@@ -364,7 +377,7 @@ class SpeculativeEngine:
         noise_ids[:, 0] = cur_tok
         noise = self.target.model.embed_tokens(noise_ids)
         blk_pos = cur_pos.unsqueeze(1) + torch.arange(bs, device=dev)
-        S_d = _cache_len(self.dcache)
+        S_d = self.dcache.get_seq_length()
         kv_valid = torch.cat([self.valid[:, :S_d], ctx_valid], dim=1)
         mask = kv_valid.unsqueeze(1).unsqueeze(1).expand(B, 1, bs, kv_valid.shape[1])
         mask = torch.cat([mask, torch.ones(B, 1, bs, bs, dtype=torch.bool, device=dev)], dim=3)
@@ -374,18 +387,18 @@ class SpeculativeEngine:
             noise_embedding=noise.to(ddtype),
             target_hidden=ctx_feats.to(ddtype),
             attention_mask=mask,
-            past_key_values=self.dcache,
+            past_key_values=self.dcache.cache,
             use_cache=True,
         )
         self.dcache.crop(S_d + ctx_feats.shape[1])
-        logits = self.target.lm_head(out[:, 1:].to(self.target.lm_head.weight.dtype)).float()
+        logits = self.runner.logits(out[:, 1:]).float()
         return logits.argmax(-1), logits
 
     def _verify(self, block_ids, block_pos):
         """Run the target on [B, bs] block tokens after the cached slots; returns (hidden, features)."""
         q_valid = torch.ones_like(block_ids, dtype=torch.bool)
         mask = _step_mask(self.valid, q_valid)
-        return target_forward(self.target, block_ids, block_pos, mask, self.tcache, self.layer_ids)
+        return self.runner.forward(block_ids, block_pos, mask, self.tcache, self.layer_ids)
 
     def _compact(self):
         """Squeeze the holes out of both caches (same slot layout), keeping each row's slot order."""
@@ -395,8 +408,8 @@ class SpeculativeEngine:
         # sort holes first, valid slots last, stable so the valid slots keep their order (left padding)
         key = self.valid.long() * (S + 1) + torch.arange(S, device=self.valid.device)
         order = key.argsort(dim=1)[:, S - width:]
-        _cache_gather_slots(self.tcache, order)
-        _cache_gather_slots(self.dcache, order)
+        self.tcache.gather_slots(order)
+        self.dcache.gather_slots(order)
         self.valid = torch.gather(self.valid, 1, order)
 
     # -- the loop ----------------------------------------------------------
@@ -439,14 +452,12 @@ class SpeculativeEngine:
             ids[b, P - len(p):] = torch.tensor(p, device=dev)
             valid[b, P - len(p):] = True
         pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-        from transformers import DynamicCache
-
-        self.tcache = DynamicCache()
-        self.dcache = DynamicCache()
-        self.valid = torch.zeros(B, 0, dtype=torch.bool, device=dev)
-        hidden, feats = target_forward(self.target, ids, pos, _step_mask(self.valid, valid), self.tcache, self.layer_ids)
+        # room for the prompt, every token, one block of drafts and the holes before compaction squeezes them
+        self.tcache = self.runner.new_cache(B, max(64, 2 * (P + rc.max_new_tokens)) + 2 * bs)
+        self.dcache = HFCache()
+        hidden, feats = prefill(self.runner, self.tcache, ids, valid, pos, self.layer_ids, self.prefill_chunk)
         self.valid = valid
-        first = sample_tokens(self.target.lm_head(hidden[:, -1:]).float(), gens, rc.temperature, rc.top_p, rc.top_k)[:, 0]
+        first = sample_tokens(self.runner.logits(hidden).float(), gens, rc.temperature, rc.top_p, rc.top_k)[:, 0]
         for b, r in enumerate(rows):
             r.features.append(feats[b, valid[b]])
             self._append(r, [int(first[b])])
@@ -465,8 +476,8 @@ class SpeculativeEngine:
                 active = [active[i] for i in keep]
                 if not active:
                     break
-                _cache_select_rows(self.tcache, sel)
-                _cache_select_rows(self.dcache, sel)
+                self.tcache.select_rows(sel)
+                self.dcache.select_rows(sel)
                 self.valid = self.valid[sel]
                 ctx_feats, ctx_valid, ctx_pos = ctx_feats[sel], ctx_valid[sel], ctx_pos[sel]
                 cur_tok, cur_pos = cur_tok[sel], cur_pos[sel]
@@ -482,7 +493,7 @@ class SpeculativeEngine:
             S = self.valid.shape[1]
             hidden, feats = self._verify(block_ids, block_pos)
             t3 = time.perf_counter()
-            logits = self.target.lm_head(hidden).float()
+            logits = self.runner.logits(hidden).float()
             posterior = sample_tokens(logits, gens, rc.temperature, rc.top_p, rc.top_k)
             acc = (drafts == posterior[:, :-1]).long().cumprod(1).sum(1)
             teacher = self._teacher(hidden[:, : bs - 1], logits[:, : bs - 1], drafts)
@@ -665,18 +676,27 @@ def autoregressive_generate(
     seed: int = 0,
     sample_ids: Optional[Sequence[str]] = None,
     stats: Optional[dict] = None,
+    prefill_chunk: int = 256,
 ) -> list[list[int]]:
-    """Batched token-by-token decoding with a KV cache (left-padded prompts, explicit positions).
+    """Batched token-by-token decoding on a preallocated KV cache (left-padded prompts, explicit positions).
 
     Sampling uses the same per-row generators as ``SpeculativeEngine`` (seeded
-    by ``seed`` and the sample id, default "0", "1", ...). Returns, per prompt,
-    the generated tokens only (at most ``max_new_tokens``, ending at the first stop token).
-    ``stats``, when given, receives ``t_prefill``, ``t_decode`` (seconds) and ``decode_steps``.
+    by ``seed`` and the sample id, default "0", "1", ...). A row that finishes
+    leaves the batch (its cache rows are dropped), so the rest decode at the
+    cost of the rows still running. Prompts are prefilled in chunks of
+    ``prefill_chunk`` tokens (``target.prefill_chunk``).
+
+    Returns:
+        per prompt, the generated tokens only (at most ``max_new_tokens``, ending
+        at the first stop token), in input order.
+    ``stats``, when given, receives ``t_prefill``, ``t_decode`` (seconds),
+    ``decode_steps`` (batch forwards after the prefill) and ``decode_tokens``
+    (tokens those forwards produced, rows still running summed).
 
     Raises:
         RolloutError: an empty prompt.
     """
-    from transformers import DynamicCache
+    import time
 
     dev = next(target_model.parameters()).device
     B = len(prompts)
@@ -686,6 +706,8 @@ def autoregressive_generate(
     for sid, p in zip(sids, prompts):
         if len(p) == 0:
             raise RolloutError(f"prompt {sid!r} is empty: every prompt needs at least one token")
+    if max_new_tokens <= 0:
+        return [[] for _ in range(B)]
     gens = [row_generator(seed, s) if temperature > 0 else None for s in sids]
     stops = {int(t) for t in stop_token_ids}
     P = max(len(p) for p in prompts)
@@ -695,39 +717,42 @@ def autoregressive_generate(
         ids[b, P - len(p):] = torch.as_tensor(list(p), device=dev)
         valid[b, P - len(p):] = True
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    kv_valid = torch.zeros(B, 0, dtype=torch.bool, device=dev)
+    runner = TargetRunner.of(target_model)
+    cache = runner.new_cache(B, P + max_new_tokens)
     out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    q_ids, q_pos, q_valid = ids, pos, valid
-    cur = pos[:, -1]
-    import time
-
+    active = list(range(B))  # input index of each batch row still decoding
     t0 = time.perf_counter()
+    h, _ = prefill(runner, cache, ids, valid, pos, None, prefill_chunk)
+    kv_valid = valid
+    cur = pos[:, -1]
     t_first = None
-    steps = 0
-    for _ in range(max_new_tokens):
-        h = target_model.model(
-            input_ids=q_ids, position_ids=q_pos, attention_mask=_step_mask(kv_valid, q_valid), past_key_values=cache, use_cache=True
-        ).last_hidden_state
-        kv_valid = torch.cat([kv_valid, q_valid], dim=1)
-        tok = sample_tokens(target_model.lm_head(h[:, -1:]).float(), gens, temperature, top_p, top_k)[:, 0]
-        for b in range(B):
-            if not done[b]:
-                out[b].append(int(tok[b]))
-                done[b] = int(tok[b]) in stops or len(out[b]) >= max_new_tokens
+    steps = n_tok = 0
+    while True:
+        tok = sample_tokens(runner.logits(h[:, -1:]).float(), gens, temperature, top_p, top_k)[:, 0]
+        keep = []
+        for j, b in enumerate(active):
+            out[b].append(int(tok[j]))
+            if not (int(tok[j]) in stops or len(out[b]) >= max_new_tokens):
+                keep.append(j)
         if t_first is None:
             t_first = time.perf_counter()
-        else:
-            steps += 1
-        if all(done):
+        if not keep:
             break
+        if len(keep) < len(active):
+            sel = torch.tensor(keep, device=dev)
+            cache.select_rows(sel)
+            kv_valid, cur, tok = kv_valid[sel], cur[sel], tok[sel]
+            active = [active[j] for j in keep]
+            gens = [gens[j] for j in keep]
         cur = cur + 1
-        q_ids, q_pos = tok.unsqueeze(1), cur.unsqueeze(1)
-        q_valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
+        q_valid = torch.ones(len(active), 1, dtype=torch.bool, device=dev)
+        h, _ = runner.forward(tok.unsqueeze(1), cur.unsqueeze(1), _step_mask(kv_valid, q_valid), cache)
+        kv_valid = torch.cat([kv_valid, q_valid], dim=1)
+        steps += 1
+        n_tok += len(active)
     if stats is not None:
         t1 = time.perf_counter()
-        stats.update(t_prefill=(t_first or t1) - t0, t_decode=t1 - (t_first or t1), decode_steps=steps)
+        stats.update(t_prefill=t_first - t0, t_decode=t1 - t_first, decode_steps=steps, decode_tokens=n_tok)
     return out
 
 
@@ -764,7 +789,7 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
     stops = sorted(set(bundle.stop_token_ids) | set(cfg.target.stop_token_ids))
     engine = SpeculativeEngine(
         bundle.model, drafter, cfg.rollout, stop_token_ids=stops, mask_token_id=mask,
-        max_context=cfg.target.max_context, too_long=cfg.target.too_long,
+        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
     )
     if prompts is None:
         from .chat import render_prompt
@@ -790,6 +815,7 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         "anchors": cfg.rollout.anchors,
         "features": cfg.rollout.store_features,
         "thinking": cfg.target.thinking,
+        "target_dtype": cfg.target.dtype,
     }
     writer = ShardWriter(out_dir, meta)
     if cfg.rollout.backend != "embedded":

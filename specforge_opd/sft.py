@@ -393,7 +393,8 @@ def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, 
     except ImportError:
         autoregressive_generate = None
     if autoregressive_generate is not None:
-        return [list(r) for r in autoregressive_generate(bundle.model, prompts, sample_ids=sample_ids, **kw)]
+        return [list(r) for r in autoregressive_generate(bundle.model, prompts, sample_ids=sample_ids,
+                                                                  prefill_chunk=cfg.target.prefill_chunk, **kw)]
     pad = bundle.tokenizer.pad_token_id
     pad = bundle.stop_token_ids[0] if pad is None else pad
     return hf_generate(bundle.model, prompts, pad_token_id=pad, **kw)
@@ -1054,7 +1055,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
         if cfg.sft.init_drafter:
             ledger = FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops")).add(ledger)
         save_drafter(model, final, metadata={"stage": "sft", "sft_key": t_key, "specforge_checkpoint": str(ckpt),
-                                             "target": tpath, "target_identity": tid, "samples": n_samples,
+                                             "target": tpath, "target_identity": tid, "target_dtype": cfg.target.dtype,
+                                             "samples": n_samples,
                                              "step": int(train_stats["step"]), "verify": verify,
                                              "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict()})
         from .drafter import load_drafter

@@ -15,7 +15,7 @@ A shard directory holds::
 
 ``meta`` (per shard, and the directory's in the manifest): ``target_identity``,
 ``drafter_identity``, ``drafter_step``, ``block_size``, ``target_layer_ids``,
-``mask_token_id``, ``temperature``, ``seed``, ``teacher`` (full/topk/token),
+``mask_token_id``, ``target_dtype``, ``temperature``, ``seed``, ``teacher`` (full/topk/token),
 ``anchors`` (real/random) and whatever else the writer passes. Shards in one
 directory must agree on ``COMPAT_KEYS``.
 
@@ -54,7 +54,8 @@ from .records import RolloutRecord, accepted_histogram, tau_of
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 #: Meta fields every shard of a directory (and a reader's ``expect``) must agree on.
-COMPAT_KEYS = ("block_size", "target_layer_ids", "target_identity", "mask_token_id")
+#: ``target_dtype`` too: features and teacher signal of a bf16 target are not an fp32 one's.
+COMPAT_KEYS = ("block_size", "target_layer_ids", "target_identity", "mask_token_id", "target_dtype")
 _TEACHER = ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob")
 
 

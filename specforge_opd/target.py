@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,41 @@ class TargetBundle:
     path: Path
     identity: str
     stop_token_ids: list[int]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def thread_count(requested: int) -> int:
+    """``target.threads`` capped at this process's share of the cores.
+
+    The share is the usable cores divided by the processes per node (torchrun's
+    ``LOCAL_WORLD_SIZE``, 1 outside torchrun): oversubscribed OpenMP threads slow
+    small matmuls by an order of magnitude on a 2-core machine.
+    """
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(int(requested), usable_cores() // local))
+
+
+def apply_threads(requested: int) -> int:
+    """Set this process's torch intra-op threads to ``thread_count(requested)``; returns that count.
+
+    Also exports ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, so subprocesses (the SpecForge
+    trainer the SFT stage starts) get the same setting; when torch is not imported yet
+    that is all it does, so a verb that never needs torch does not import it.
+    """
+    import sys
+
+    n = thread_count(requested)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    return n
 
 
 def resolve_device(device: str) -> str:

@@ -389,7 +389,8 @@ def distill(
         if records is None:
             if not shard_dirs:
                 raise ValueError("distill needs shard directories (--shards DIR) or records")
-            records = load_records(shard_dirs, expect={"block_size": bs, "target_layer_ids": layer_ids, "mask_token_id": mask_id})
+            records = load_records(shard_dirs, expect={"block_size": bs, "target_layer_ids": layer_ids, "mask_token_id": mask_id,
+                                                       "target_dtype": cfg.target.dtype})
         records = [r for r in records if r.num_blocks > 0]
         if not records:
             raise ValueError("no record with at least one block in the given shards: nothing to train on")
@@ -451,7 +452,8 @@ def distill(
             if rank == 0:
                 print(f"distill: {ckpt} is already at the last step {step}/{total}; no step left to train (use a fresh --out for a new run)", file=sys.stderr)
             if not (export_dir / "config.json").is_file():
-                export_drafter(drafter, export_dir, metadata={"step": drafter_step0 + step, "opd_steps": step})
+                export_drafter(drafter, export_dir, metadata={"step": drafter_step0 + step, "opd_steps": step,
+                                                               "target_dtype": cfg.target.dtype})
             return DistillResult(out, export_dir, step, total, 0, drafter_step0 + step, skipped_total, already_complete=True)
 
         # 4. the loop
@@ -556,7 +558,7 @@ def distill(
         metrics.close()
 
         # 5. export
-        meta = {"step": drafter_step0 + step, "opd_steps": step, "loss": tc.loss, "combine": tc.combine, "nonfinite_skipped": skipped_total,
+        meta = {"step": drafter_step0 + step, "opd_steps": step, "target_dtype": cfg.target.dtype, "loss": tc.loss, "combine": tc.combine, "nonfinite_skipped": skipped_total,
                 "flops": _replay_flops(drafter.config, records, cfg.rollout.teacher, step / max(1, order.steps_per_epoch)).to_dict()}
         export_drafter(drafter, export_dir, metadata=meta)
         return DistillResult(out, export_dir, step, total, steps_run, drafter_step0 + step, skipped_total, last_metrics=last)
