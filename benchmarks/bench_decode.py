@@ -36,11 +36,14 @@ import torch.nn.functional as F
 
 
 def _time(f, reps: int) -> float:
+    """Median seconds of ``reps`` calls after one warm-up call (the median resists a stray slow call)."""
     f()
-    t = time.perf_counter()
+    ts = []
     for _ in range(reps):
+        t = time.perf_counter()
         f()
-    return (time.perf_counter() - t) / reps
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
 
 
 def chain_ceiling(cfg, dtype, batch: int, reps: int = 5) -> float:
@@ -190,7 +193,7 @@ def main() -> None:
                     runner.logits(h)
                     cache.crop(S)
 
-                return _time(run, 8)
+                return _time(run, 15)
 
             t1 = step(1)
             for bs in args.block_sizes:

@@ -10,11 +10,16 @@ stage() { printf '\n=== %s (%s) ===\n' "$1" "$(date +%H:%M:%S)"; }
 t0=$(date +%s)
 stage "assets"
 .venv/bin/specforge-opd prepare-assets
+t1=$(date +%s)
 stage "SFT: scripts/train_sft.sh configs/tiny/sft.yaml"
 bash scripts/train_sft.sh configs/tiny/sft.yaml "$@"
+t2=$(date +%s)
 stage "OPD: scripts/train_opd.sh configs/tiny/opd.yaml"
 bash scripts/train_opd.sh configs/tiny/opd.yaml "$@"
+t3=$(date +%s)
 stage "matched-FLOPs SFT baseline + evaluation"
-$PY -m specforge_opd.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml "$@"
+# stage times of a resumed run count only this run's work
+$PY -m specforge_opd.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml \
+  --summary runs/tiny/summary.json --stage-seconds assets=$((t1 - t0)) sft=$((t2 - t1)) opd=$((t3 - t2)) -- "$@"
 echo
-echo "demo finished in $(( $(date +%s) - t0 ))s; OPD report: runs/tiny/opd/report.md"
+echo "demo finished in $(( $(date +%s) - t0 ))s; OPD report: runs/tiny/opd/report.md; summary: runs/tiny/summary.json"

@@ -70,6 +70,49 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
     return run_sft(cfg)
 
 
+def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_seconds: dict, extra: Optional[dict] = None) -> dict:
+    """The main job's machine-readable result (``runs/<exp>/summary.json``).
+
+    Rows are the drafters ``names`` in table order; each has tau per dataset and
+    its mean, and the cumulative drafter-training FLOPs (None for prompt lookup).
+    ``stage_seconds``: wall time per stage; ``seeds``: the seeds behind the rows.
+    """
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    rows = []
+    for n in names:
+        d = result["drafters"][n]
+        taus = {ds: s["tau"] for ds, s in d["datasets"].items()}
+        rows.append({"drafter": n, "tau": taus, "mean_tau": sum(taus.values()) / len(taus),
+                     "drafter_flops": (d.get("flops") or {}).get("drafter_budget")})
+    e = result["eval"]
+    return {"rows": rows, "seeds": list(seeds), "commit": commit, "stage_seconds": dict(stage_seconds),
+            "eval": {"method": result["method"], "num_prompts": e["num_prompts"], "max_new_tokens": e["max_new_tokens"],
+                     "block_size": result["drafters"][names[-1]]["block_size"]},
+            **(extra or {})}
+
+
+def render_summary(summary: dict) -> str:
+    """The README's main-job table, generated from a ``summary.json`` (one row per drafter)."""
+    dsets = list(summary["rows"][0]["tau"])
+    lines = ["| drafter | " + " | ".join(dsets) + " | mean | drafter-training FLOPs |",
+             "|---|" + "---:|" * (len(dsets) + 2)]
+    for r in summary["rows"]:
+        f = r["drafter_flops"]
+        lines.append(f"| {r['drafter']} | " + " | ".join(f"{r['tau'][ds]:.3f}" for ds in dsets)
+                     + f" | **{r['mean_tau']:.3f}** | {'-' if f is None else f'{f:.2e}'} |")
+    st = summary["stage_seconds"]
+    lines.append("")
+    lines.append(f"Seeds {summary['seeds']}, commit `{(summary.get('commit') or '?')[:12]}`; stage wall times: "
+                 + ", ".join(f"{k} {v:.0f} s" for k, v in st.items()) + ".")
+    return "\n".join(lines)
+
+
 def table(result: dict, names: list[str]) -> str:
     """Markdown table of tau per dataset (rows) and drafter (columns), with the mean."""
     dsets = list(next(iter(result["drafters"].values()))["datasets"])
@@ -92,13 +135,27 @@ def table(result: dict, names: list[str]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--render"]:
+        # print the README table of a committed summary.json (the README's table is this output)
+        import json
+
+        if len(argv) != 2:
+            print("usage: python -m specforge_opd.compare --render SUMMARY.json", file=sys.stderr)
+            return 2
+        print(render_summary(json.loads(Path(argv[1]).read_text())))
+        return 0
     p = argparse.ArgumentParser(prog="python -m specforge_opd.compare", description=__doc__.splitlines()[0])
     p.add_argument("--sft-config", required=True)
     p.add_argument("--opd-config", required=True)
     p.add_argument("--out", help="where eval.json/eval.md/comparison.md go (default <opd output.dir>/comparison)")
+    p.add_argument("--summary", help="also write the machine-readable result (summary.json) here")
+    p.add_argument("--stage-seconds", nargs="*", default=[], metavar="STAGE=SECONDS",
+                   help="wall times of the stages before this one, for the summary")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides applied to both configs")
     args = p.parse_args(argv)
     from .evaluate import evaluate
+    from .ngram import NGRAM_NAME
 
     sft_cfg = load_config(args.sft_config, args.overrides)
     opd_cfg = load_config(args.opd_config, args.overrides)
@@ -107,11 +164,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     apply_threads(opd_cfg.target.threads)
     sft_final = Path(sft_cfg.resolve_path(sft_cfg.output.dir)) / "final"
     opd_final = Path(opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
+    import time
+
+    stages = {}
+    for kv in args.stage_seconds:
+        k, _, v = kv.partition("=")
+        stages[k] = float(v)
+    t0 = time.time()
     matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides)
+    stages["matched_sft"] = time.time() - t0
     drafters = {"SFT": sft_final, "SFT + matched-FLOPs SFT": matched, "SFT + OPD": opd_final}
     out = Path(args.out) if args.out else opd_final.parent / "comparison"
+    t0 = time.time()
     result = evaluate(opd_cfg, drafters, out)
-    text = table(result, list(drafters))
+    stages["eval"] = time.time() - t0
+    names = ([NGRAM_NAME] if NGRAM_NAME in result["drafters"] else []) + list(drafters)
+    text = table(result, names)
+    if args.summary:
+        import json
+
+        from .atomic import atomic_write_text
+
+        summary = build_summary(result, names, seeds=[opd_cfg.data.seed, opd_cfg.rollout.seed], stage_seconds=stages,
+                                extra={"seed_fields": ["opd data.seed", "opd rollout.seed"]})
+        atomic_write_text(Path(args.summary), json.dumps(summary, indent=2))
+        print(f"summary: {args.summary}")
     (out / "comparison.md").write_text(
         f"# tau on held-out sets (offline exact replay at T=0; {opd_cfg.eval.num_prompts} prompts per set, "
         f"{opd_cfg.eval.max_new_tokens} new tokens)\n\n{text}\n"

@@ -205,6 +205,11 @@ class EvalConfig(Section):
     temperature: float = Field(default=0.0, ge=0.0)
     seeds: List[int] = Field(default_factory=lambda: [0])
     batch_size: int = Field(default=1, gt=0)
+    #: Add the prompt-lookup drafter's row (``specforge_opd.ngram``; no training) to every
+    #: offline table, at the block size of the first evaluated drafter.
+    ngram: bool = True
+    #: Longest suffix the prompt-lookup drafter matches (then shorter ones, down to 1).
+    ngram_max: int = Field(default=3, ge=1)
     #: Measure wall-clock speedup by live decoding as well (slow on a CPU).
     speedup: bool = True
     #: Prompts per dataset used for the speedup measurement (None = all evaluated prompts).

@@ -332,9 +332,7 @@ class TargetRunner:
             qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
             qs, ks = _rope(qs, cos, sin), _rope(ks, cos, sin)
             keys, values = cache.write(i, ks, vs)
-            att = F.scaled_dot_product_attention(
-                qs, keys, values, attn_mask=attention_mask, scale=L["scaling"], enable_gqa=self.kv_heads != self.num_heads
-            )
+            att = _attend(qs, keys, values, attention_mask, L["scaling"])
             x = x + L["o"](att.transpose(1, 2).reshape(B, q, nq))
             h = L["post_norm"](x)
             if len(L["gate_up"]) == 1:
@@ -370,6 +368,38 @@ class TargetRunner:
         from .adapter import extract_context_feature
 
         return out.last_hidden_state, extract_context_feature(out.hidden_states, layer_ids)
+
+
+#: Up to this many query slots (decode and verify steps) attention is two batched matmuls;
+#: beyond it (prefill chunks) SDPA's tiled kernel, which never holds every head's [q, S] scores.
+SMALL_QUERY = 32
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``q`` [B, Hq, q, D] over ``k``/``v`` [B, Hkv, S, D] (GQA: query head h reads KV head
+    h // (Hq / Hkv), as HF's ``repeat_kv``), bool ``mask`` [B, 1, q, S] (True = attend); returns [B, Hq, q, D].
+
+    Few query slots: scores of all query heads that share a KV head come from one
+    matmul over the cache's keys, read in place (the cache views reshape to
+    [B * Hkv, S, D] without a copy); softmax in fp32. Measured on the 2-core CPU at
+    batch 32 over 251 slots: 0.46 ms a layer against SDPA's 0.54 in fp32, and 0.59
+    against 4.0 in bf16, where CPU SDPA has no fast kernel for one query. Longer
+    queries (prefill chunks) take SDPA, in fp32 when the cache is bf16/fp16 on a CPU.
+    """
+    B, Hq, nq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if nq > SMALL_QUERY:
+        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=Hkv != Hq)
+            return out.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=Hkv != Hq)
+    g = Hq // Hkv
+    q3 = q.reshape(B * Hkv, g * nq, D)
+    scores = torch.bmm(q3, k.reshape(B * Hkv, S, D).transpose(1, 2)).float().view(B, Hkv, g, nq, S)
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
+    scores = scores.mul_(scale).add_(bias.view(B, 1, 1, nq, S))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B * Hkv, g * nq, S)
+    return torch.bmm(probs, v.reshape(B * Hkv, S, D)).view(B, Hq, nq, D)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

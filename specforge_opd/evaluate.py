@@ -658,6 +658,13 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
             "flops": meta.get("flops"),
             "datasets": {},
         }
+    ngram_bs = int(next(iter(drafters.values())).block_size)
+    if offline and ecfg.ngram:
+        from .ngram import NGRAM_NAME
+
+        result["drafters"][NGRAM_NAME] = {"path": None, "block_size": ngram_bs, "target_layer_ids": [],
+                                          "metadata": {"drafter": "prompt lookup", "ngram_max": ecfg.ngram_max},
+                                          "flops": None, "datasets": {}}
 
     for ds, (toks, sids) in prompt_sets.items():
         if offline:
@@ -685,6 +692,11 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
                 n = ecfg.speedup_num_prompts or len(toks)
                 entry["speedup"] = measure_speedup(cfg, model, d, toks[:n], stop_token_ids=stop_ids)
             result["drafters"][name]["datasets"][ds] = entry
+        if offline and ecfg.ngram:
+            from .ngram import NGRAM_NAME, ngram_offline_tau
+
+            recs = ngram_offline_tau(trajs, ngram_bs, sids, max_ngram=ecfg.ngram_max)
+            result["drafters"][NGRAM_NAME]["datasets"][ds] = _dataset_stats(recs, ngram_bs)
 
     out.mkdir(parents=True, exist_ok=True)
     from .plots import plot_accept_histograms, plot_tau_per_dataset

@@ -242,3 +242,45 @@ def test_bf16_runner_matches_hf_bf16():
     assert h.dtype == torch.bfloat16
     rel = float((f.float() - rf.float()).norm() / rf.float().norm())
     assert rel < 2e-2, rel
+
+
+def test_threads_follow_the_config_and_the_process_share(monkeypatch):
+    from specforge_opd import target as tgt
+
+    monkeypatch.setattr(tgt, "usable_cores", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert tgt.thread_count(2) == 2 and tgt.thread_count(1) == 1 and tgt.thread_count(8) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two torchrun ranks on this node: one core each
+    assert tgt.thread_count(2) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert tgt.thread_count(2) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    n = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    try:
+        assert tgt.apply_threads(1) == 1 and torch.get_num_threads() == 1
+        import os
+
+        assert os.environ["OMP_NUM_THREADS"] == "1"  # what the SpecForge subprocess inherits
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_every_verb_sets_threads(monkeypatch, tmp_path):
+    """parse_experiment (every verb's entry) applies target.threads before the verb runs."""
+    from specforge_opd import target as tgt
+    from specforge_opd.cli import experiment_parser, parse_experiment
+
+    seen = []
+    monkeypatch.setattr(tgt, "apply_threads", lambda n: seen.append(n) or n)
+    parse_experiment(experiment_parser("x"), ["target.threads=1"])
+    assert seen == [1]
+
+
+def test_drafter_of_another_target_dtype_is_refused():
+    from specforge_opd.drafter import DrafterError, check_target_dtype
+
+    check_target_dtype({}, "bfloat16", "pub")  # published checkpoints record nothing: accepted
+    check_target_dtype({"target_dtype": "float32"}, "float32", "d")
+    with pytest.raises(DrafterError, match="target.dtype=float32"):
+        check_target_dtype({"target_dtype": "float32"}, "bfloat16", "d")

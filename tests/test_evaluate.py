@@ -360,3 +360,37 @@ def test_evaluate_live_sampling_over_seeds_and_speedup(tmp_path, tiny_setup):
     assert sp["num_prompts"] == 2 and sp["ar_s_per_token"] > 0 and sp["spec_s_per_token"] > 0
     assert sp["speedup"] == pytest.approx(sp["ar_s_per_token"] / sp["spec_s_per_token"])
     assert "±" in (tmp_path / "out" / "eval.md").read_text()
+
+
+def test_evaluate_has_a_prompt_lookup_row(tmp_path, tiny_setup):
+    """Every offline table gets the ngram row, scored by the same pooled tau on the same trajectories."""
+    from specforge_opd.ngram import NGRAM_NAME, ngram_offline_tau
+
+    target, prompts, trajs, trained = tiny_setup
+    d = save_drafter(trained, tmp_path / "trained")
+    cfg = load_config(None, ["eval.max_new_tokens=40", "eval.speedup=false", f"eval.cache_dir={tmp_path / 'cache'}"])
+    sets = {"setA": (prompts[:4], [f"a{i}" for i in range(4)])}
+    res = evaluate(cfg, {"trained": d}, tmp_path / "out", target=_target_ns(target), prompt_sets=sets)
+    row = res["drafters"][NGRAM_NAME]
+    assert row["block_size"] == trained.block_size
+    assert row["datasets"]["setA"]["tau"] == pytest.approx(tau_of(ngram_offline_tau(trajs[:4], trained.block_size)))
+    assert f"| {NGRAM_NAME} |" in (tmp_path / "out" / "eval.md").read_text()
+    off = load_config(None, ["eval.max_new_tokens=40", "eval.speedup=false", "eval.ngram=false", f"eval.cache_dir={tmp_path / 'cache'}"])
+    assert NGRAM_NAME not in evaluate(off, {"trained": d}, tmp_path / "out2", target=_target_ns(target), prompt_sets=sets)["drafters"]
+
+
+def test_cache_entry_of_another_target_dtype_is_refused(tmp_path, tiny_setup):
+    """The cache records the target's dtype; an entry of another dtype under the same key is an error, not data."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    target, prompts, _, _ = tiny_setup
+    cache = TrajectoryCache(tmp_path, target, "tiny", max_new_tokens=8, stop_token_ids=[1])
+    cache.get(prompts[:1], [1])
+    (f,) = list(tmp_path.glob("*.safetensors"))
+    with safe_open(str(f), framework="pt") as h:
+        meta, tensors = h.metadata(), {k: h.get_tensor(k) for k in h.keys()}
+    assert meta["target_dtype"] == "float32"
+    save_file(tensors, str(f), metadata=dict(meta, target_dtype="bfloat16"))
+    with pytest.raises(EvalError, match="bfloat16"):
+        TrajectoryCache(tmp_path, target, "tiny", max_new_tokens=8, stop_token_ids=[1]).get(prompts[:1], [1])

@@ -13,7 +13,8 @@ from specforge_opd.records import RolloutRecord
 from specforge_opd.shards import ShardError, ShardWriter, inspect_dir, read_shards, shard_meta
 
 BS = 4
-META = {"block_size": BS, "target_layer_ids": [1, 2], "target_identity": "abc123", "mask_token_id": 96, "teacher": "topk"}
+META = {"block_size": BS, "target_layer_ids": [1, 2], "target_identity": "abc123", "mask_token_id": 96, "teacher": "topk",
+        "target_dtype": "float32"}
 
 
 def make_record(sid: str, prompt_len: int, accepted: list[int], form: str = "topk", features: bool = True, seed: int = 0) -> RolloutRecord:
@@ -111,7 +112,8 @@ def test_corrupted_shard_is_refused(tmp_path, damage):
     assert shards.cli([str(tmp_path)]) == 1
 
 
-@pytest.mark.parametrize("key,value", [("block_size", 16), ("target_layer_ids", [2, 1]), ("target_identity", "zzz"), ("mask_token_id", 5)])
+@pytest.mark.parametrize("key,value", [("block_size", 16), ("target_layer_ids", [2, 1]), ("target_identity", "zzz"), ("mask_token_id", 5),
+                                       ("target_dtype", "bfloat16")])
 def test_incompatible_expect_names_shard_and_field(tmp_path, key, value):
     ShardWriter(tmp_path, META).write([make_record("a", 5, [0, 2])])
     with pytest.raises(ShardError, match=rf"shard-00000\.safetensors: incompatible.*{key}"):
