@@ -199,8 +199,11 @@ class TrajectoryCache:
         keys = [self.key(p) for p in prompts]
         found = [self._load(k) for k in keys]
         todo = [i for i, tr in enumerate(found) if tr is None]
-        for c in tqdm(range(0, len(todo), self.batch_size), desc=desc, leave=False, disable=None if todo else True):
-            chunk = todo[c : c + self.batch_size]
+        from .rollout import length_batches
+
+        for idx in tqdm(length_batches([len(prompts[i]) for i in todo], self.batch_size), desc=desc, leave=False,
+                        disable=None if todo else True):
+            chunk = [todo[j] for j in idx]
             self.target_calls += 1
             gens = _greedy_generate(self.model, [prompts[i] for i in chunk], self.max_new_tokens, self.stop_token_ids)
             for i, gen in zip(chunk, gens):

@@ -142,8 +142,10 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
                        out_dir=shard_dir)
         todo = []
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq", disable=rank != 0, dynamic_ncols=True)
-    for i in range(0, len(todo), bs):
-        chunk = todo[i : i + bs]
+    from .rollout import length_batches
+
+    for idx in length_batches([len(p) for _, p in todo], bs):
+        chunk = [todo[i] for i in idx]
         recs = engine.generate([p for _, p in chunk], [s for s, _ in chunk], drafter_step=drafter_step)
         if recs:
             writer.write(recs)

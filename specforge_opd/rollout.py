@@ -153,6 +153,18 @@ def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Te
     return hidden[:, -1:], (torch.cat(feats, dim=1) if feats else None)
 
 
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices of items grouped into batches of similar length (stable sort by length, then chunks).
+
+    Left padding makes every row of a batch pay for its longest prompt, in the
+    prefill and in every step's attention; batching similar lengths removes most
+    of it. Sampling is seeded per sample id, so a row's tokens do not depend on
+    its batch.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
 # ---------------------------------------------------------------------------
 # one-forward helpers (random anchors, tests, trainers that recompute)
 
@@ -832,8 +844,8 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
     bsz = cfg.rollout.batch_size
     from tqdm import tqdm
 
-    for i in tqdm(range(0, len(prompts), bsz), desc="rollout batches", unit="batch"):
-        chunk = prompts[i: i + bsz]
+    for idx in tqdm(length_batches([len(p) for _, p in prompts], bsz), desc="rollout batches", unit="batch"):
+        chunk = [prompts[i] for i in idx]
         recs = engine.generate([p for _, p in chunk], [s for s, _ in chunk], drafter_step=drafter_step)
         skipped += len(engine.skipped)
         for rec in recs:

@@ -428,14 +428,16 @@ def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: 
         if f.is_file():
             continue
         part = tokenized[c * chunk:(c + 1) * chunk]
-        lines = []
-        for b in range(0, len(part), cfg.sft.batch_size):
-            batch = part[b:b + cfg.sft.batch_size]
+        lines = [""] * len(part)  # in prompt order, whatever order the batches ran in
+        from .rollout import length_batches
+
+        for idx in length_batches([len(p) for _, p in part], cfg.sft.batch_size):
+            batch = [part[i] for i in idx]
             outs = generate_responses(bundle, [p for _, p in batch], cfg, seed=cfg.data.seed,
                                       sample_ids=[pid for pid, _ in batch])
-            for (pid, p), o in zip(batch, outs):
+            for i, (pid, p), o in zip(idx, batch, outs):
                 resp, finished = _cut_at_stop(o, stop, cfg.sft.max_new_tokens)
-                lines.append(json.dumps(ResponseRecord(pid, p, resp, finished).__dict__))
+                lines[i] = json.dumps(ResponseRecord(pid, p, resp, finished).__dict__)
             bar.update(len(batch))
         atomic_write_bytes(f, ("\n".join(lines) + "\n").encode())
     bar.close()
