@@ -108,7 +108,9 @@ def render_summary(summary: dict) -> str:
                      + f" | **{r['mean_tau']:.3f}** | {'-' if f is None else f'{f:.2e}'} |")
     st = summary["stage_seconds"]
     lines.append("")
-    lines.append(f"Seeds {summary['seeds']}, commit `{(summary.get('commit') or '?')[:12]}`; stage wall times: "
+    names = summary.get("seed_fields") or ["seed"] * len(summary["seeds"])
+    seeds = ", ".join(f"{n}={v}" for n, v in zip(names, summary["seeds"]))
+    lines.append(f"Seeds: {seeds}; commit `{(summary.get('commit') or '?')[:12]}`; stage wall times: "
                  + ", ".join(f"{k} {v:.0f} s" for k, v in st.items()) + ".")
     return "\n".join(lines)
 

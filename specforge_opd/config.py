@@ -142,6 +142,11 @@ class TrainingConfig(Section):
     lambda_rej: float = Field(default=1.0, ge=0.0)
     #: eq1: (la*L_acc + lr*L_rej)/(la+lr); pooled: the authors' (sum_acc + sum w rej)/(N_acc + sum w).
     combine: Literal["eq1", "pooled"] = "eq1"
+    #: The accepted term's slots: ``eq1`` (paper: the accepted drafts, 1..r_m) or ``verified``
+    #: (the authors' code: the verified trajectory, 1..r_m+1; the bonus slot r_m+1, teacher
+    #: conditioned on the accepted prefix, also keeps the reverse KL of its rejected draft).
+    #: ``verified`` needs the full or topk teacher (the token form stores no bonus-token teacher).
+    accepted_stream: Literal["eq1", "verified"] = "eq1"
     feature_source: Literal["shard", "target"] = "shard"
     #: Slots per lm_head/KL chunk.
     chunk_slots: int = Field(default=1024, gt=0)

@@ -78,6 +78,7 @@ def plan_slots(
     loss: str = "mixed",
     rejected_decay: float = 0.8,
     decay_from: str = "slot1",
+    accepted_stream: str = "eq1",
 ) -> SlotPlan:
     """Which slots of a sequence are trained, in which term, direction and weight.
 
@@ -91,17 +92,26 @@ def plan_slots(
             slot r_m+1 teacher is the bonus distribution; drafts after it dropped).
         rejected_decay: w_k = rejected_decay^(k-1) (paper section 4.2, gamma = 0.8 there).
         decay_from: ``slot1`` (paper: exponent k-1) or ``first_rejected`` (exponent k-r_m-1).
+        accepted_stream: ``eq1`` (paper Eq. 1: the accepted term holds slots 1..r_m) or
+            ``verified`` (the authors' code: the verified trajectory 1..r_m+1, so the bonus
+            slot r_m+1 of a block with r_m < bs-1 is planned twice: once in the accepted
+            term, weight 1, in the accepted term's direction, and once as the rejected draft
+            it also is). ``naive_target_assisted`` is the verified stream already.
 
     Returns:
-        SlotPlan over the trained slots, ordered by (block, slot).
+        SlotPlan over the trained slots, ordered by (block, slot); a doubly planned bonus
+        slot has its accepted-term entry first.
 
     Raises:
-        ValueError: unknown ``loss`` / ``decay_from``, or accepted counts outside 0..bs-1.
+        ValueError: unknown ``loss`` / ``decay_from`` / ``accepted_stream``, or accepted
+            counts outside 0..bs-1.
     """
     if loss not in LOSS_VARIANTS:
         raise ValueError(f"training.loss={loss!r}: expected one of {LOSS_VARIANTS}")
     if decay_from not in ("slot1", "first_rejected"):
         raise ValueError(f"training.decay_from={decay_from!r}: expected slot1 or first_rejected")
+    if accepted_stream not in ("eq1", "verified"):
+        raise ValueError(f"training.accepted_stream={accepted_stream!r}: expected eq1 or verified")
     accepted = accepted.long().view(-1)
     M = accepted.numel()
     if M and (int(accepted.min()) < 0 or int(accepted.max()) > block_size - 1):
@@ -126,13 +136,29 @@ def plan_slots(
         exponent = (k - 1) if decay_from == "slot1" else (k - r - 1)
         weight = torch.where(rejected, torch.tensor(rejected_decay, dtype=torch.float64) ** exponent.double(), 1.0).float()
     blocks = torch.arange(M).view(-1, 1).expand(M, block_size - 1)
-    return SlotPlan(
+    plan = SlotPlan(
         block=blocks[keep],
         slot=k[keep],
         rejected=rejected_term[keep],
         reverse=reverse[keep],
         weight=weight[keep],
     )
+    if accepted_stream == "eq1" or loss == "naive_target_assisted":
+        return plan
+    bonus = k == r + 1  # at most one slot per block; none when all bs-1 drafts were accepted
+    extra_reverse = loss == "all_reverse"  # the accepted term's direction in this variant
+    n = int(bonus.sum())
+    merged = SlotPlan(
+        block=torch.cat([plan.block, blocks[bonus]]),
+        slot=torch.cat([plan.slot, k[bonus]]),
+        rejected=torch.cat([plan.rejected, torch.zeros(n, dtype=torch.bool)]),
+        reverse=torch.cat([plan.reverse, torch.full((n,), extra_reverse, dtype=torch.bool)]),
+        weight=torch.cat([plan.weight, torch.ones(n, dtype=torch.float32)]),
+    )
+    # (block, slot) order, the accepted-term entry of a bonus slot before its rejected one
+    key = (merged.block * block_size + merged.slot) * 2 + merged.rejected.long()
+    order = torch.argsort(key, stable=True)
+    return SlotPlan(*(getattr(merged, f)[order] for f in ("block", "slot", "rejected", "reverse", "weight")))
 
 
 def slot_coefficients(

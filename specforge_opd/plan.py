@@ -81,12 +81,18 @@ def make_plan(cfg: ExperimentConfig, pool_size: int, hidden_size: int, num_layer
     """Fix the OPD schedule for a prompt pool of ``pool_size`` prompts.
 
     Raises:
-        PlanError: ``opd.prompts_per_iteration`` not a multiple of
+        PlanError: ``training.accepted_stream=verified`` with the ``token`` teacher,
+            ``opd.prompts_per_iteration`` not a multiple of
             ``opd.prompts_per_step``, an empty pool, or a spool budget that
             cannot hold one iteration's shards (names ``opd.spool_budget_bytes``
             and the alternatives).
     """
     o = cfg.opd
+    if cfg.training.accepted_stream == "verified" and cfg.rollout.teacher == "token":
+        raise PlanError(
+            "training.accepted_stream=verified trains the bonus slot against the target's distribution, which "
+            "rollout.teacher=token does not record; use rollout.teacher=full or topk, or accepted_stream=eq1"
+        )
     if pool_size <= 0:
         raise PlanError("the OPD prompt pool is empty: check data.train_sources, data.slices and data.num_prompts")
     if o.prompts_per_iteration % o.prompts_per_step:

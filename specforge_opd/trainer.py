@@ -392,6 +392,9 @@ def distill(
             records = load_records(shard_dirs, expect={"block_size": bs, "target_layer_ids": layer_ids, "mask_token_id": mask_id,
                                                        "target_dtype": cfg.target.dtype})
         records = [r for r in records if r.num_blocks > 0]
+        if tc.accepted_stream == "verified" and any(r.teacher_form() == "token" for r in records):
+            raise ValueError("training.accepted_stream=verified needs the full or topk teacher (the shards hold the "
+                             "token teacher, which has no bonus-token distribution); roll out with rollout.teacher=full")
         if not records:
             raise ValueError("no record with at least one block in the given shards: nothing to train on")
         for r in records:
@@ -466,7 +469,8 @@ def distill(
         while step < total:
             t0 = time.perf_counter()
             batch = [records[i] for i in order.step_indices(step)]
-            plans = [plan_slots(r.accepted, bs, loss=tc.loss, rejected_decay=tc.rejected_decay, decay_from=tc.decay_from) for r in batch]
+            plans = [plan_slots(r.accepted, bs, loss=tc.loss, rejected_decay=tc.rejected_decay, decay_from=tc.decay_from,
+                                accepted_stream=tc.accepted_stream) for r in batch]
             # The denominators are known from accepted counts alone, before any forward.
             n_acc = sum(p.n_acc() for p in plans)
             w_rej = sum(p.w_rej() for p in plans)

@@ -289,13 +289,13 @@ def _plain_autograd_loss(h, W, coef, reverse, rejected, weight, teacher):
     return (coef * kl).sum(), kl.detach()
 
 
-@pytest.mark.parametrize("form", ["full", "topk", "token"])
+@pytest.mark.parametrize("form,stream", [("full", "eq1"), ("topk", "eq1"), ("token", "eq1"), ("full", "verified"), ("topk", "verified")])
 @pytest.mark.parametrize("chunk", [3, 4, 1000])
-def test_linear_kl_loss_value_and_gradient_equal_plain_autograd(form, chunk):
+def test_linear_kl_loss_value_and_gradient_equal_plain_autograd(form, stream, chunk):
     torch.manual_seed(7)
     H = 8
     W = torch.randn(V, H)
-    plan = plan_slots(torch.tensor([1, 0, 3, 2]), 4)
+    plan = plan_slots(torch.tensor([1, 0, 3, 2]), 4, accepted_stream=stream)
     n = plan.num_slots
     coef = slot_coefficients(plan, plan.n_acc(), plan.w_rej())
     args = (coef, plan.reverse, plan.rejected, plan.weight)
@@ -345,3 +345,44 @@ def test_bad_config_values_name_the_field():
         plan_slots(torch.tensor([4]), 4)
     with pytest.raises(ValueError, match="training.combine"):
         slot_coefficients(plan_slots(torch.tensor([1]), 4), 1.0, 1.0, combine="sum")
+
+
+def test_plan_slots_verified_stream_adds_the_bonus_slot_once():
+    plan = plan_slots(torch.tensor([1, 3, 0]), 4, accepted_stream="verified")
+    # block 0: slots 1 (acc), 2 (bonus: acc fwd + rej rev), 3 (rej); block 1: all 3 accepted, no bonus slot;
+    # block 2: slot 1 is the bonus (acc fwd + rej rev), 2 and 3 rejected
+    assert plan.block.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert plan.slot.tolist() == [1, 2, 2, 3, 1, 2, 3, 1, 1, 2, 3]
+    assert plan.rejected.tolist() == [False, False, True, True, False, False, False, False, True, True, True]
+    assert plan.reverse.tolist() == plan.rejected.tolist()
+    assert plan.weight.tolist()[:4] == pytest.approx([1.0, 1.0, 0.8, 0.8**2])
+    assert plan.n_acc() == 6 and plan.w_rej() == pytest.approx(0.8 + 0.8**2 + 1 + 0.8 + 0.8**2)
+    # naive target-assisted is the verified stream already: unchanged
+    assert plan_slots(torch.tensor([1]), 4, loss="naive_target_assisted", accepted_stream="verified").slot.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="accepted_stream"):
+        plan_slots(torch.tensor([1]), 4, accepted_stream="bonus")
+
+
+@pytest.mark.parametrize("combine", ["eq1", "pooled"])
+def test_verified_stream_loss_matches_brute_force(combine):
+    """The authors' stream: forward KL on slots 1..r_m+1 (teacher of slot r_m+1 = the verify output at r_m),
+    decayed reverse KL on the rejected drafts r_m+1..bs-1."""
+    bs = 5
+    accepted = [torch.tensor([0, 4, 2]), torch.tensor([1]), torch.tensor([3, 3])]
+    student, teacher = _rand_batch(accepted, bs, seed=7)
+    plans = [plan_slots(a, bs, accepted_stream="verified") for a in accepted]
+    got = float(_loss_of(plans, student, teacher, combine=combine))
+    acc_terms, rej_terms = [], []
+    for acc, s, t in zip(accepted, student, teacher):
+        for m, r in enumerate(acc.tolist()):
+            for k in range(1, bs):
+                p, q = F.softmax(t[m, k - 1], -1), F.softmax(s[m, k - 1], -1)
+                if k <= r + 1:
+                    acc_terms.append(_brute_kl(p, q))
+                if k > r:
+                    rej_terms.append((0.8 ** (k - 1), _brute_kl(q, p)))
+    if combine == "pooled":
+        want = (sum(acc_terms) + sum(w * x for w, x in rej_terms)) / (len(acc_terms) + sum(w for w, _ in rej_terms))
+    else:
+        want = 0.5 * sum(acc_terms) / len(acc_terms) + 0.5 * sum(w * x for w, x in rej_terms) / sum(w for w, _ in rej_terms)
+    assert abs(got - want) < 1e-5

@@ -47,3 +47,20 @@ def test_no_repetition_accepts_nothing():
     rec = ngram_offline_tau([_traj(ids, 5)], block_size=8)[0]
     # one verify step per token after the prefill's: tau = completion tokens / (completion tokens - 1)
     assert rec.accepted.sum() == 0 and rec.num_blocks == 14 and tau_of([rec]) == pytest.approx(15 / 14)
+
+
+def test_readme_main_job_table_is_generated_from_the_committed_summary():
+    """The README's main-job table is ``compare.render_summary`` of benchmarks/results/tiny_main_job.json."""
+    import json
+    from pathlib import Path
+
+    from specforge_opd.compare import render_summary
+
+    root = Path(__file__).resolve().parents[1]
+    summary = json.loads((root / "benchmarks/results/tiny_main_job.json").read_text())
+    readme = (root / "README.md").read_text()
+    block = readme.split("<!-- tiny_main_job:begin -->\n", 1)[1].split("\n<!-- tiny_main_job:end -->", 1)[0]
+    assert block.strip() == render_summary(summary).strip()
+    names = [r["drafter"] for r in summary["rows"]]
+    assert names == ["prompt lookup (ngram)", "SFT", "SFT + matched-FLOPs SFT", "SFT + OPD"]
+    assert summary["commit"] and summary["seeds"] and set(summary["stage_seconds"]) >= {"sft", "opd", "eval"}

@@ -54,3 +54,11 @@ def test_qwen3_opd_configs_plan_offline(size, capsys):
     assert "hub sources" in out and "total_steps" in out
     # native mode: the trainer recomputes features and teacher, so the spool holds tokens and log-probs only
     assert plan.est_spool_bytes_per_iteration < plan.spool_budget_bytes
+
+
+def test_verified_stream_needs_a_distribution_teacher():
+    cfg = load_config(None, ["training.accepted_stream=verified", "rollout.teacher=token"])
+    with pytest.raises(PlanError, match="rollout.teacher=full or topk"):
+        make_plan(cfg, pool_size=10, hidden_size=64, num_layers_captured=2)
+    ok = load_config(None, ["training.accepted_stream=verified", "rollout.teacher=full"])
+    make_plan(ok, pool_size=10, hidden_size=64, num_layers_captured=2)
