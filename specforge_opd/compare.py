@@ -66,6 +66,8 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
           f"continuing SFT for {steps} steps -> {out}", file=sys.stderr)
     cfg = load_config(sft_config, list(overrides or []) + [
         f"output.dir={out}", f"sft.reuse_from={sft_out}", f"sft.init_drafter={sft_out / 'final'}", f"sft.max_steps={steps}",
+        # the baseline is the drafter at the matched FLOPs, not the best point of a curve
+        "sft.val_prompts=0",
     ])
     return run_sft(cfg)
 

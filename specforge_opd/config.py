@@ -176,6 +176,13 @@ class SFTConfig(Section):
     chunk_prompts: int = Field(default=32, gt=0)
     #: SpecForge ``training.save_interval`` in optimizer steps (0: about five checkpoints per run).
     save_interval: int = Field(default=0, ge=0)
+    #: Validation curve (``specforge_opd.validation``): prompts of the training pool after
+    #: ``data.num_prompts``, never trained on, replayed offline after every segment (0: off).
+    val_prompts: int = Field(default=0, ge=0)
+    #: Optimizer steps per training segment between validation points (0: one epoch).
+    val_interval: int = Field(default=0, ge=0)
+    #: The exported checkpoint when validating: highest validation tau, or the last one.
+    select: Literal["best_val", "last"] = "best_val"
     #: Export check: prompts decoded speculatively and compared with greedy target decoding.
     verify_prompts: int = Field(default=2, ge=0)
     verify_max_new_tokens: int = Field(default=32, gt=0)

@@ -551,6 +551,18 @@ def on_gpu(cfg: ExperimentConfig) -> bool:
     return (dev == "auto" and torch.cuda.is_available()) or dev.startswith("cuda")
 
 
+def sft_steps(cfg: ExperimentConfig, num_samples: int, gpus: int) -> tuple[int, int, int]:
+    """(optimizer steps per epoch, epochs, total steps) of the SFT train step, as SpecForge counts them."""
+    t = cfg.training
+    # SpecForge drops the last partial batch: steps = samples // (batch * ranks) * epochs // accumulation
+    steps_per_epoch = max(1, num_samples // (t.batch_size * max(1, gpus)) // t.accumulation_steps)
+    num_epochs = t.num_epochs
+    if cfg.sft.max_steps is not None:
+        # enough epochs to reach max_steps; SpecForge stops at max_steps and its schedule spans them
+        num_epochs = max(num_epochs, math.ceil(cfg.sft.max_steps / steps_per_epoch))
+    return steps_per_epoch, num_epochs, cfg.sft.max_steps or steps_per_epoch * num_epochs
+
+
 def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_config_file: Path, features: Path,
                          out_dir: Path, num_samples: int, mask_token_id: int, gpus: int) -> dict:
     """The SpecForge run config (``specforge/config/schema.py``) of the SFT train step.
@@ -564,13 +576,7 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
         ConfigError: an override names a key outside the nesting it must extend.
     """
     t = cfg.training
-    # SpecForge drops the last partial batch: steps = samples // (batch * ranks) * epochs // accumulation
-    steps_per_epoch = max(1, num_samples // (t.batch_size * max(1, gpus)) // t.accumulation_steps)
-    num_epochs = t.num_epochs
-    if cfg.sft.max_steps is not None:
-        # enough epochs to reach max_steps; SpecForge stops at max_steps and its schedule spans them
-        num_epochs = max(num_epochs, math.ceil(cfg.sft.max_steps / steps_per_epoch))
-    total = cfg.sft.max_steps or steps_per_epoch * num_epochs
+    steps_per_epoch, num_epochs, total = sft_steps(cfg, num_samples, gpus)
     run = {
         "run_id": SPECFORGE_RUN_ID,
         "output_dir": str(out_dir),
@@ -685,6 +691,66 @@ def run_train(d: Path, run: dict, cfg: ExperimentConfig, gpus: int) -> dict:
     if latest is None:
         raise SFTError(f"sft train: SpecForge finished but wrote no checkpoint under {ckpts}")
     return {"checkpoint": str(latest), "step": int(re.search(r"-step(\d+)$", latest.name).group(1))}
+
+
+def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *, num_samples: int, valset,
+                        target_config, flops_at, tensorboard_dir: Optional[Path], plot_path: Path) -> dict:
+    """The train step in segments of ``sft.val_interval`` steps with a validation point after each
+    (``specforge_opd.validation``); resumable at any point.
+
+    Every segment is one ``specforge train`` run resumed from the previous one's checkpoint,
+    with SpecForge's ``total_steps`` (the LR schedule's horizon) fixed to the whole run and
+    ``max_steps`` (its early stop) at the segment's end, so the schedule is the one an
+    unsegmented run follows. Each segment's checkpoint is exported to
+    ``curve/step_<N>`` before SpecForge may prune it, and its validation tau recorded.
+
+    Returns the step's stats: ``checkpoint``/``step`` of the last segment, ``curve`` and ``selected``.
+
+    Raises:
+        SFTError: a segment ended at another step than planned.
+    """
+    from .drafter import save_drafter
+    from .validation import add_point, plot_curve, read_curve, segment_ends, select
+
+    steps_per_epoch, _, total = sft_steps(cfg, num_samples, gpus)
+    ends = segment_ends(total, cfg.sft.val_interval or steps_per_epoch)
+    curve = read_curve(d)
+    stats: dict = {}
+    tb = None
+    for end in ends:
+        if any(p["step"] == end for p in curve):
+            continue
+        seg = json.loads(json.dumps(run))
+        seg["training"]["total_steps"] = total
+        seg["training"]["max_steps"] = end
+        stats = run_train(d, seg, cfg, gpus)
+        if stats["step"] != end:
+            raise SFTError(f"sft train: the segment to step {end} ended at step {stats['step']} ({stats['checkpoint']}); "
+                           "delete that train directory to start the step again")
+        model = load_specforge_checkpoint(stats["checkpoint"], target_config)
+        export = save_drafter(model, d / "curve" / f"step_{end:07d}", metadata={"stage": "sft", "step": end,
+                                                                                 "target_dtype": cfg.target.dtype})
+        tau = valset.tau(model)
+        curve = add_point(d, {"step": end, "tau": tau, "drafter_flops": flops_at(end), "export": str(export),
+                              "checkpoint": stats["checkpoint"]})
+        print(f"[sft val] step {end}/{total}: validation tau {tau:.3f} on {len(valset.prompts)} prompts", flush=True)
+        if tensorboard_dir is not None:
+            if tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                tb = SummaryWriter(str(tensorboard_dir))
+            tb.add_scalar("sft/val_tau", tau, end)
+            tb.flush()
+    if tb is not None:
+        tb.close()
+    if not stats:  # every point was measured before this run
+        last = max(curve, key=lambda p: p["step"])
+        stats = {"checkpoint": last["checkpoint"], "step": last["step"]}
+    chosen = select(curve, cfg.sft.select)
+    plot_curve(curve, plot_path, chosen["step"])
+    print(f"[sft val] exporting step {chosen['step']} (sft.select={cfg.sft.select}: validation tau {chosen['tau']:.3f}); "
+          f"curve: {plot_path}", flush=True)
+    return dict(stats, curve=curve, selected=chosen)
 
 
 # ---------------------------------------------------------------------------
@@ -940,15 +1006,34 @@ def _load_prompts(cfg: ExperimentConfig) -> list:
     return pool[: cfg.data.num_prompts] if cfg.data.num_prompts is not None else pool
 
 
+def _load_val_prompts(cfg: ExperimentConfig) -> list:
+    """``sft.val_prompts`` records of the training pool right after the ``data.num_prompts`` SFT trains on.
+
+    Raises:
+        SFTError: ``data.num_prompts`` is unset (the whole pool trains), or the pool has no prompt left.
+    """
+    from .prompts import training_pool
+
+    if cfg.data.num_prompts is None:
+        raise SFTError("sft.val_prompts needs data.num_prompts: validation prompts come from the pool after the ones SFT trains on")
+    pool = list(training_pool(cfg.data))
+    val = pool[cfg.data.num_prompts: cfg.data.num_prompts + cfg.sft.val_prompts]
+    if not val:
+        raise SFTError(f"sft.val_prompts={cfg.sft.val_prompts}: the pool has no prompt after data.num_prompts="
+                       f"{cfg.data.num_prompts}; lower data.num_prompts or add data slices")
+    return val
+
+
 def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
-            target_path: Optional[str] = None) -> Path:
+            target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None) -> Path:
     """Run the SFT stage end to end; returns the exported HF DFlash directory ``<output.dir>/final``.
 
     ``bundle`` (a ``TargetBundle``-like object with ``model``, ``tokenizer``,
     ``stop_token_ids``), ``prompts`` (``PromptRecord``-like) and ``target_path``
     (HF directory SpecForge loads the target embedding / lm_head / tokenizer
     from) default to ``target.load_target``, ``prompts.training_pool`` and
-    ``target_dir(cfg)``. Writes ``<output.dir>/sft_report.json`` (wall time per
+    ``target_dir(cfg)``; ``val_prompts`` (records, with ``sft.val_prompts`` > 0)
+    defaults to the pool's prompts after the trained ones. Writes ``<output.dir>/sft_report.json`` (wall time per
     step, disk used, the export check's tau).
 
     Raises:
@@ -1012,6 +1097,14 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     t_inputs = {"features": f_key, "draft": dcfg_dict, "training": cfg.training.model_dump(mode="json"),
                 "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus,
                 "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
+    val_tok: list = []
+    if cfg.sft.val_prompts:
+        val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg)
+        val_tok, _ = tokenize_prompts(val_recs, tokenizer, cfg)
+        if not val_tok:
+            raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {_prompt_limit(cfg)} tokens")
+        t_inputs["validation"] = {"prompts": hash_inputs({"p": val_tok}), "interval": cfg.sft.val_interval,
+                                  "select": cfg.sft.select}
     t_key = hash_inputs(t_inputs)
     t_dir = step_dir(out, "train", t_key)
 
@@ -1023,16 +1116,37 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
             atomic_write_bytes(dfile, text.encode())
         run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
                                    out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus)
-        return run_train(t_dir, run, cfg, gpus)
+        if not val_tok:
+            return run_train(t_dir, run, cfg, gpus)
+        from .validation import ValidationSet
+
+        b = get_bundle()
+        valset = ValidationSet(b.model, tid, [p for _, p in val_tok], max_new_tokens=cfg.sft.max_new_tokens,
+                               stop_token_ids=list(b.stop_token_ids), cache_dir=out / "val_trajectories")
+        responses = read_responses(r_dir)
+        init = (FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops"))
+                if cfg.sft.init_drafter else FlopsLedger())
+
+        def flops_at(step: int) -> float:
+            here = sft_flops(cfg, dcfg, target_config, responses, steps=step,
+                             captured_here=r_dir.resolve().is_relative_to(out.resolve()))
+            return init.add(here).drafter_budget
+
+        return run_train_validated(t_dir, run, cfg, gpus, num_samples=n_samples, valset=valset, target_config=target_config,
+                                   flops_at=flops_at, tensorboard_dir=out / "tensorboard" if cfg.output.tensorboard else None,
+                                   plot_path=out / "sft_curve.png")
+
+    from .drafter import read_drafter_metadata, save_drafter
+    from .flops import FlopsLedger
 
     _keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
-    ckpt = Path(json.loads((t_dir / MARKER).read_text())["stats"]["checkpoint"])
+    train_stats = json.loads((t_dir / MARKER).read_text())["stats"]
+    ckpt = Path(train_stats["checkpoint"])
+    chosen = train_stats.get("selected")
     timings["train"] = time.time() - t0
 
     # -- export
     t0 = time.time()
-    from .drafter import read_drafter_metadata, save_drafter
-    from .flops import FlopsLedger
 
     final = out / "final"
     meta = read_drafter_metadata(final) if final.is_dir() else {}
@@ -1041,7 +1155,13 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
         verify = meta["verify"]
         print(f"[sft export] done already: {final}", flush=True)
     else:
-        model = load_specforge_checkpoint(ckpt, target_config)
+        if chosen is not None:  # the validated checkpoint, exported before SpecForge could prune it
+            from .drafter import load_drafter
+
+            model = load_drafter(chosen["export"], target_config=target_config)
+            ckpt = Path(chosen["checkpoint"])
+        else:
+            model = load_specforge_checkpoint(ckpt, target_config)
         b = get_bundle()
         held = [p for _, p in tokenized[-cfg.sft.verify_prompts:]] if cfg.sft.verify_prompts else []
         verify = verify_export(model, b.model, held, list(b.stop_token_ids), cfg.sft.verify_max_new_tokens)
@@ -1050,23 +1170,28 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                   flush=True)
         else:
             print("[sft export] lossless check skipped (sft.verify_prompts=0)", flush=True)
-        train_stats = json.loads((t_dir / MARKER).read_text())["stats"]
         responses = read_responses(r_dir)
-        ledger = sft_flops(cfg, dcfg, target_config, responses, steps=int(train_stats["step"]),
+        step = int(chosen["step"] if chosen is not None else train_stats["step"])
+        ledger = sft_flops(cfg, dcfg, target_config, responses, steps=step,
                            captured_here=r_dir.resolve().is_relative_to(out.resolve()))
         if cfg.sft.init_drafter:
             ledger = FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops")).add(ledger)
         save_drafter(model, final, metadata={"stage": "sft", "sft_key": t_key, "specforge_checkpoint": str(ckpt),
                                              "target": tpath, "target_identity": tid, "target_dtype": cfg.target.dtype,
                                              "samples": n_samples,
-                                             "step": int(train_stats["step"]), "verify": verify,
-                                             "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict()})
+                                             "step": step, "verify": verify,
+                                             "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict(),
+                                             "validation": None if chosen is None else {
+                                                 "select": cfg.sft.select, "selected_step": step,
+                                                 "selected_tau": chosen["tau"], "curve": train_stats["curve"],
+                                                 "val_prompts": len(val_tok)}})
         from .drafter import load_drafter
 
         load_drafter(final, target_config=target_config)  # the export must load back through the public loader
     timings["export"] = time.time() - t0
 
     report = {"final": str(final), "timings_s": timings, "skipped": skipped, "verify": verify,
+              "validation": None if chosen is None else {"selected": chosen, "curve": train_stats["curve"]},
               "disk_bytes": {d.name: dir_bytes(d) for d in (r_dir, f_dir, t_dir, final)}}
     report["disk_bytes"]["total"] = dir_bytes(out)
     _write_json(out / "sft_report.json", report)

@@ -271,3 +271,77 @@ def test_killed_training_resumes_from_specforge_checkpoint(tmp_path, chat_render
     assert sft.latest_checkpoint(ckpts).name == "sft-step8"
     state = torch.load(sft.latest_checkpoint(ckpts) / "training_state.pt", weights_only=True)
     assert state["global_step"] == 8 and state["epoch_samples"] == 8
+
+
+def test_validation_curve_segments_select_and_resume(tmp_path, chat_render, monkeypatch, capfd):
+    """sft.val_prompts: segments of val_interval steps, a validation tau per segment from exact offline
+    replay on held-out prompts, the export is the selected point; the segmented run trains exactly what
+    one uninterrupted SpecForge run trains (same LR horizon, no step twice), and resumes after a kill."""
+    from specforge_opd.drafter import load_drafter, read_drafter_metadata
+    from specforge_opd.validation import read_curve
+
+    bundle = make_target_dir(tmp_path / "target")
+    prompts, held = make_prompts(8), make_prompts(2, start=20)
+    plain = tiny_cfg(tmp_path / "plain", **{"sft.verify_prompts": 0})
+    sft.run_sft(plain, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    ref_ckpt = sft.latest_checkpoint(next((tmp_path / "plain").glob("train-*")) / "checkpoints")
+    ref = sft.load_specforge_checkpoint(ref_ckpt, bundle.model.config).state_dict()
+
+    cfg = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 0, "sft.val_prompts": 2, "sft.val_interval": 3,
+                                        "sft.select": "best_val"})
+    real_call = sft.subprocess.call
+    calls = []
+
+    def die_on_second_segment(cmd, **kw):
+        calls.append(cmd)
+        if len(calls) == 2:
+            return 137
+        return real_call(cmd, **kw)
+
+    monkeypatch.setattr(sft.subprocess, "call", die_on_second_segment)
+    with pytest.raises(sft.SFTError, match="status 137"):
+        sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path, val_prompts=held)
+    t_dir = next((tmp_path / "run").glob("train-*"))
+    assert [p["step"] for p in read_curve(t_dir)] == [3]
+    monkeypatch.setattr(sft.subprocess, "call", real_call)
+    capfd.readouterr()
+    final = sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path, val_prompts=held)
+    out = capfd.readouterr().out
+    steps = [int(m) for m in __import__("re").findall(r"^step (\d+):", out, flags=__import__("re").M)]
+    assert steps == [4, 5, 6, 7, 8]  # the resumed segments train each remaining step once
+    curve = read_curve(t_dir)
+    assert [p["step"] for p in curve] == [3, 6, 8]
+    assert all(p["tau"] >= 1.0 and p["drafter_flops"] > 0 for p in curve)
+    assert curve[0]["drafter_flops"] < curve[1]["drafter_flops"] < curve[2]["drafter_flops"]
+    # the last segment's checkpoint is what one uninterrupted run produces
+    last = sft.load_specforge_checkpoint(curve[-1]["checkpoint"], bundle.model.config).state_dict()
+    for k, v in ref.items():
+        torch.testing.assert_close(last[k], v)
+    # the export is the best point (earliest of equals), from its own curve export
+    best = max(curve, key=lambda p: (p["tau"], -p["step"]))
+    meta = read_drafter_metadata(final)
+    assert meta["step"] == best["step"] and meta["validation"]["selected_tau"] == best["tau"]
+    got = load_drafter(final, target_config=bundle.model.config).state_dict()
+    want = load_drafter(best["export"], target_config=bundle.model.config).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert (tmp_path / "run" / "sft_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_validation_needs_room_in_the_pool(tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", **{"sft.val_prompts": 2})
+    assert cfg.data.num_prompts is None
+    with pytest.raises(sft.SFTError, match="data.num_prompts"):
+        sft._load_val_prompts(cfg)
+
+
+def test_segments_and_selection_rules():
+    from specforge_opd.validation import segment_ends, select
+
+    assert segment_ends(8, 3) == [3, 6, 8] and segment_ends(6, 3) == [3, 6] and segment_ends(2, 5) == [2]
+    with pytest.raises(ValueError, match="val_interval"):
+        segment_ends(8, 0)
+    pts = [{"step": 3, "tau": 1.2}, {"step": 6, "tau": 1.4}, {"step": 9, "tau": 1.4}, {"step": 12, "tau": 1.3}]
+    assert select(pts, "best_val")["step"] == 6  # the earliest of the best
+    assert select(pts, "last")["step"] == 12
+    with pytest.raises(ValueError, match="sft.select"):
+        select(pts, "loss")
