@@ -1016,8 +1016,10 @@ def _load_val_prompts(cfg: ExperimentConfig) -> list:
 
     if cfg.data.num_prompts is None:
         raise SFTError("sft.val_prompts needs data.num_prompts: validation prompts come from the pool after the ones SFT trains on")
-    pool = list(training_pool(cfg.data))
-    val = pool[cfg.data.num_prompts: cfg.data.num_prompts + cfg.sft.val_prompts]
+    # the pool is shuffled with data.seed and then capped, so a larger cap keeps the trained prompts first
+    n = cfg.data.num_prompts
+    pool = list(training_pool(cfg.data.model_copy(update={"num_prompts": n + cfg.sft.val_prompts})))
+    val = pool[n: n + cfg.sft.val_prompts]
     if not val:
         raise SFTError(f"sft.val_prompts={cfg.sft.val_prompts}: the pool has no prompt after data.num_prompts="
                        f"{cfg.data.num_prompts}; lower data.num_prompts or add data slices")

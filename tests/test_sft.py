@@ -345,3 +345,16 @@ def test_segments_and_selection_rules():
     assert select(pts, "last")["step"] == 12
     with pytest.raises(ValueError, match="sft.select"):
         select(pts, "loss")
+
+
+def test_validation_prompts_follow_the_trained_ones_in_the_pool(tmp_path):
+    """Validation prompts are the pool's next ones after data.num_prompts: disjoint from SFT's, same order."""
+    cfg = tiny_cfg(tmp_path / "run", **{"data.num_prompts": 5, "sft.val_prompts": 3, "data.max_prompt_tokens": 256})
+    trained = sft._load_prompts(cfg)
+    val = sft._load_val_prompts(cfg)
+    assert len(trained) == 5 and len(val) == 3
+    assert not {p.id for p in trained} & {p.id for p in val}
+    from specforge_opd.prompts import training_pool
+
+    eight = training_pool(cfg.data.model_copy(update={"num_prompts": 8}))
+    assert [p.id for p in eight] == [p.id for p in trained + val]
