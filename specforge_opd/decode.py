@@ -185,8 +185,27 @@ def _fused(mods: Sequence[torch.nn.Module], pack: bool) -> _Linear:
 # the runner
 
 
+#: Architectures whose decoder layer is exactly what ``TargetRunner.forward`` computes (pre-norm
+#: attention with rotate-half RoPE on every layer, SiLU-gated MLP, plain residuals, Qwen3's
+#: per-head q/k norms). Others that merely have the same module names differ in ways the
+#: names do not show (Granite's multipliers, OLMo's QKV clipping, SmolLM3's no-RoPE layers,
+#: Helium's interleaved RoPE, StableLM's partial rotary): they take the HF path.
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+#: RoPE variants whose frequencies do not depend on the call (HF's ``dynamic`` recomputes them
+#: from each call's longest position, so chunked prefill would change it): others take the HF path.
+NATIVE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def _unsupported_reason(model) -> Optional[str]:
     """Why ``TargetRunner`` cannot run ``model`` itself (None when it can)."""
+    cfg = getattr(model.config, "text_config", model.config)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in NATIVE_MODEL_TYPES:
+        return f"model_type {mtype!r} is not one of {NATIVE_MODEL_TYPES}"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in NATIVE_ROPE_TYPES:
+        return f"rope_type {rope_type!r} is not one of {NATIVE_ROPE_TYPES}"
     body = getattr(model, "model", None)
     layers = getattr(body, "layers", None)
     if layers is None or not hasattr(body, "embed_tokens") or not hasattr(body, "norm") or not hasattr(body, "rotary_emb"):
@@ -203,14 +222,26 @@ def _unsupported_reason(model) -> Optional[str]:
 
 
 def _sliding_window(model) -> bool:
+    """True when some layer attends through a window: ``layer_types``, Qwen2/3's ``use_sliding_window``,
+    or a ``sliding_window`` that other configs (Mistral's) apply whenever it is set."""
     cfg = getattr(model.config, "text_config", model.config)
     types = getattr(cfg, "layer_types", None) or []
-    return any(t != "full_attention" for t in types) or bool(
-        getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
-    )
+    if any(t != "full_attention" for t in types):
+        return True
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return False
+    if hasattr(cfg, "use_sliding_window"):
+        return bool(cfg.use_sliding_window)
+    return True
 
 
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _weights_version(model) -> int:
+    """Sum of the parameters' in-place modification counters: changes when any weight is edited in place."""
+    return sum(int(p._version) for p in model.parameters())
 
 
 class TargetRunner:
@@ -220,7 +251,8 @@ class TargetRunner:
         model: HF causal LM in eval mode (``.model`` body, ``.lm_head``), on its device and dtype.
         pack: prepack weights for oneDNN; default: on when the weights are on a CPU.
 
-    Use ``TargetRunner.of(model)`` to build a model's runner once (packing reads every weight).
+    Use ``TargetRunner.of(model)`` to build a model's runner once (packing reads every weight); it
+    is rebuilt when the model's weights are edited in place (their version counters change).
 
     Raises:
         ValueError: the target has sliding-window layers. Every forward gets an explicit
@@ -234,9 +266,12 @@ class TargetRunner:
                 "target with sliding-window attention layers: the embedded decode path attends over the whole "
                 "prefix; use a full-attention target or an SGLang rollout backend (rollout.backend)"
             )
-        self.model = model
+        # the body, not the model: the runner cache is keyed weakly by the model, so a value that
+        # referenced its key would keep every target ever run (and its packed copy) alive
+        self.body = model.model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.weights_version = _weights_version(model)
         self.reason = _unsupported_reason(model)
         self.native = self.reason is None
         if pack is None:
@@ -283,7 +318,8 @@ class TargetRunner:
         """The runner of ``model``, built on first use and kept while the model lives."""
         r = _RUNNERS.get(model)
         p = next(model.parameters())
-        if r is None or r.device != p.device or r.dtype != p.dtype:
+        # rebuilt when the weights moved, changed dtype, or were edited in place (packing copied them)
+        if r is None or r.device != p.device or r.dtype != p.dtype or r.weights_version != _weights_version(model):
             r = cls(model)
             _RUNNERS[model] = r
         return r
@@ -312,7 +348,7 @@ class TargetRunner:
         """
         if not self.native:
             return self._hf_forward(input_ids, position_ids, attention_mask, cache, layer_ids)
-        body = self.model.model
+        body = self.body
         B, q = input_ids.shape
         want = {int(k): None for k in (layer_ids or [])}
         x = body.embed_tokens(input_ids)
@@ -355,7 +391,7 @@ class TargetRunner:
         return hidden, torch.cat([want[int(k)] for k in layer_ids], dim=-1)
 
     def _hf_forward(self, input_ids, position_ids, attention_mask, cache, layer_ids):
-        out = self.model.model(
+        out = self.body(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,

@@ -79,6 +79,7 @@ def plan_slots(
     rejected_decay: float = 0.8,
     decay_from: str = "slot1",
     accepted_stream: str = "eq1",
+    bonus_kept=None,
 ) -> SlotPlan:
     """Which slots of a sequence are trained, in which term, direction and weight.
 
@@ -97,6 +98,9 @@ def plan_slots(
             slot r_m+1 of a block with r_m < bs-1 is planned twice: once in the accepted
             term, weight 1, in the accepted term's direction, and once as the rejected draft
             it also is). ``naive_target_assisted`` is the verified stream already.
+        bonus_kept: bool [M], whether block m's bonus token is in the sequence (False for
+            the block a stop token or the token budget cut short: its slot r_m+1 lies past
+            the end, so ``verified`` adds no accepted-term entry there). None: all kept.
 
     Returns:
         SlotPlan over the trained slots, ordered by (block, slot); a doubly planned bonus
@@ -146,6 +150,8 @@ def plan_slots(
     if accepted_stream == "eq1" or loss == "naive_target_assisted":
         return plan
     bonus = k == r + 1  # at most one slot per block; none when all bs-1 drafts were accepted
+    if bonus_kept is not None:
+        bonus = bonus & torch.as_tensor(bonus_kept, dtype=torch.bool).view(-1, 1)
     extra_reverse = loss == "all_reverse"  # the accepted term's direction in this variant
     n = int(bonus.sum())
     merged = SlotPlan(

@@ -464,8 +464,9 @@ class SpeculativeEngine:
             ids[b, P - len(p):] = torch.tensor(p, device=dev)
             valid[b, P - len(p):] = True
         pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-        # room for the prompt, every token, one block of drafts and the holes before compaction squeezes them
-        self.tcache = self.runner.new_cache(B, max(64, 2 * (P + rc.max_new_tokens)) + 2 * bs)
+        # room for the prompt, every token and a block of drafts; the holes that verify steps leave
+        # grow it (doubling, rare) until compaction squeezes them
+        self.tcache = self.runner.new_cache(B, P + rc.max_new_tokens + 2 * bs)
         self.dcache = HFCache()
         hidden, feats = prefill(self.runner, self.tcache, ids, valid, pos, self.layer_ids, self.prefill_chunk)
         self.valid = valid
@@ -719,6 +720,8 @@ def autoregressive_generate(
         if len(p) == 0:
             raise RolloutError(f"prompt {sid!r} is empty: every prompt needs at least one token")
     if max_new_tokens <= 0:
+        if stats is not None:
+            stats.update(t_prefill=0.0, t_decode=0.0, decode_steps=0, decode_tokens=0)
         return [[] for _ in range(B)]
     gens = [row_generator(seed, s) if temperature > 0 else None for s in sids]
     stops = {int(t) for t in stop_token_ids}

@@ -470,7 +470,9 @@ def distill(
             t0 = time.perf_counter()
             batch = [records[i] for i in order.step_indices(step)]
             plans = [plan_slots(r.accepted, bs, loss=tc.loss, rejected_decay=tc.rejected_decay, decay_from=tc.decay_from,
-                                accepted_stream=tc.accepted_stream) for r in batch]
+                                accepted_stream=tc.accepted_stream,
+                                # the bonus token a_m + r_m + 1 exists unless the sequence ended inside the block
+                                bonus_kept=r.anchors + r.accepted + 1 < r.input_ids.numel()) for r in batch]
             # The denominators are known from accepted counts alone, before any forward.
             n_acc = sum(p.n_acc() for p in plans)
             w_rej = sum(p.w_rej() for p in plans)

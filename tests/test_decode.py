@@ -220,7 +220,7 @@ def test_unsupported_architecture_runs_through_hf():
     """A MoE MLP is not the runner's: HF's forward on a DynamicCache, same greedy tokens."""
     model = _qwen3_moe()
     runner = TargetRunner.of(model)
-    assert not runner.native and "MLP" in runner.reason
+    assert not runner.native and "qwen3_moe" in runner.reason
     assert isinstance(runner.new_cache(1, 8), HFCache)
     prompt = torch.randint(3, 90, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     out = autoregressive_generate(model, [prompt], 6, [])[0]
@@ -284,3 +284,53 @@ def test_drafter_of_another_target_dtype_is_refused():
     check_target_dtype({"target_dtype": "float32"}, "float32", "d")
     with pytest.raises(DrafterError, match="target.dtype=float32"):
         check_target_dtype({"target_dtype": "float32"}, "bfloat16", "d")
+
+
+def test_runner_does_not_keep_its_model_alive_and_follows_in_place_edits():
+    import gc
+    import weakref
+
+    model = make_tiny_target()
+    r1 = TargetRunner.of(model)
+    assert TargetRunner.of(model) is r1  # built once
+    ids, valid, pos = _batch([5])
+    with torch.no_grad():
+        model.lm_head.weight[3].fill_(100.0)  # an in-place edit after the runner packed its copy
+    r2 = TargetRunner.of(model)
+    assert r2 is not r1
+    h, _ = prefill(r2, r2.new_cache(1, 8), ids, valid, pos)
+    assert int(r2.logits(h)[0, -1].argmax()) == 3
+    ref = weakref.ref(model)
+    del model, r1, r2, h
+    gc.collect()
+    assert ref() is None  # the cache holds the runner weakly through its model
+
+
+@pytest.mark.parametrize("kind", ["granite", "mistral_window", "dynamic_rope"])
+def test_look_alike_architectures_take_the_hf_path_or_are_refused(kind):
+    """Same module names, other maths: only the listed model types run natively."""
+    if kind == "granite":
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        cfg = GraniteConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0)
+        cfg._attn_implementation = "sdpa"
+        runner = TargetRunner(GraniteForCausalLM(cfg).eval())
+        assert not runner.native and "granite" in runner.reason
+    elif kind == "mistral_window":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        cfg = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, sliding_window=8)
+        cfg._attn_implementation = "sdpa"
+        with pytest.raises(ValueError, match="sliding-window"):
+            TargetRunner(MistralForCausalLM(cfg).eval())
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=16,
+                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+        cfg._attn_implementation = "sdpa"
+        runner = TargetRunner(LlamaForCausalLM(cfg).eval())
+        assert not runner.native and "dynamic" in runner.reason

@@ -361,6 +361,10 @@ def test_plan_slots_verified_stream_adds_the_bonus_slot_once():
     assert plan_slots(torch.tensor([1]), 4, loss="naive_target_assisted", accepted_stream="verified").slot.tolist() == [1, 2]
     with pytest.raises(ValueError, match="accepted_stream"):
         plan_slots(torch.tensor([1]), 4, accepted_stream="bonus")
+    # a block the sequence's end cut short has no bonus token: no accepted-term entry past the end
+    cut = plan_slots(torch.tensor([1, 0]), 4, accepted_stream="verified", bonus_kept=torch.tensor([True, False]))
+    assert cut.block.tolist() == [0, 0, 0, 0, 1, 1, 1] and cut.n_acc() == 2
+    assert cut.slot.tolist() == [1, 2, 2, 3, 1, 2, 3] and cut.rejected.tolist()[4:] == [True, True, True]
 
 
 @pytest.mark.parametrize("combine", ["eq1", "pooled"])

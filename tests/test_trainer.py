@@ -175,3 +175,28 @@ def test_nonfinite_steps_are_skipped_then_stop_with_the_shard_named(tmp_path, se
     with pytest.raises(NonFiniteError, match=r"step 2: .*shard /spool/iter3"):
         distill(cfg, drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=poisoned, progress=False)
     assert (tmp_path / "b" / "checkpoints" / "step-000002").is_dir()
+
+
+def test_verified_accepted_stream_trains_the_bonus_slot_too(tmp_path, setup):
+    """accepted_stream=verified: the step's loss is the plan's sum, with the bonus slot's forward term added."""
+    target, drafter, records = setup
+    base = distill(_cfg(tmp_path / "eq1", num_epochs=1, learning_rate=1e-9), drafter_init=drafter, out_dir=tmp_path / "eq1",
+                   target=target, records=records, progress=False)
+    ver = distill(_cfg(tmp_path / "ver", num_epochs=1, learning_rate=1e-9, accepted_stream="verified"), drafter_init=drafter,
+                  out_dir=tmp_path / "ver", target=target, records=records, progress=False)
+    a = [json.loads(x) for x in (tmp_path / "eq1" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "ver" / "metrics.jsonl").read_text().splitlines()]
+    assert base.total_steps == ver.total_steps and len(a) == len(b)
+    # the rejected term is the same slots either way; the accepted term now holds the bonus slots as well
+    assert any(x["L_acc"] != y["L_acc"] for x, y in zip(a, b))
+    for x, y in zip(a, b):
+        assert y["L_rej"] == pytest.approx(x["L_rej"], rel=1e-5)
+    import copy
+
+    token = copy.deepcopy(records)  # the module's records stay as they are
+    for r in token:
+        r.teacher_draft_logprob = torch.zeros(r.drafts.shape)
+        r.teacher_hidden = None
+    with pytest.raises(ValueError, match="accepted_stream=verified"):
+        distill(_cfg(tmp_path / "tok", accepted_stream="verified"), drafter_init=drafter, out_dir=tmp_path / "tok",
+                target=target, records=token, progress=False)
