@@ -32,7 +32,7 @@ BLOCK = 8
 def test_sft_overfits_four_real_sequences(tmp_path):
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/tiny/sft.yaml", [
         f"output.dir={tmp_path / 'sft'}", "data.num_prompts=4", "sft.max_new_tokens=40",
-        "sft.verify_prompts=0", "sft.chunk_prompts=4", "training.num_anchors=40", "training.num_epochs=60",
+        "sft.verify_prompts=0", "sft.val_prompts=0", "sft.chunk_prompts=4", "training.num_anchors=40", "training.num_epochs=60",
         "training.learning_rate=3e-3", "training.lr_scheduler=constant", "training.warmup_ratio=0.0",
         "training.log_interval=1000", f"draft.block_size={BLOCK}",
     ])
@@ -50,5 +50,6 @@ def test_sft_overfits_four_real_sequences(tmp_path):
     with torch.no_grad():
         tau = tau_of(offline_tau(drafter, bundle.model, trajs))
     # a unigram-level drafter sits near 1.06; memorized blocks accept most of their 7 drafted slots
+    # (validation is off: the export is the last checkpoint, not the best on held-out prompts)
     print(f"training-set tau {tau:.3f}")
     assert tau >= 4.0, f"the SFT path did not fit 4 sequences: training-set tau {tau:.2f} at block {BLOCK}"
