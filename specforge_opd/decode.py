@@ -280,6 +280,7 @@ class TargetRunner:
         # (a copy anyway); on a GPU the originals are used as they are
         fuse = pack
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), pack)
+        self.packed = bool(pack) and self.lm_head.packed
         if not self.native:
             log.info("target runner: HF forward on a DynamicCache (%s)", self.reason)
             return
@@ -311,7 +312,6 @@ class TargetRunner:
                 )
             )
         self.final_norm = model.model.norm
-        self.packed = bool(pack) and self.lm_head.packed
 
     @classmethod
     def of(cls, model) -> "TargetRunner":
