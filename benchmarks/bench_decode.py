@@ -165,20 +165,15 @@ def main() -> None:
         # verify step vs decode step on a prompt's cache
         try:
             from specforge_opd.decode import TargetRunner
-            from specforge_opd.rollout import prefill
+            from specforge_opd.rollout import left_pad, prefill
         except ImportError:  # a checkout from before the static-cache decode path: decode rows only
             args.verify_batch = []
         else:
             runner = TargetRunner.of(model)
         for B in args.verify_batch:
             batch = prompts[:B]
-            P = max(len(p) for p in batch)
-            ids = torch.zeros(B, P, dtype=torch.long)
-            valid = torch.zeros(B, P, dtype=torch.bool)
-            for b, p in enumerate(batch):
-                ids[b, P - len(p):] = torch.tensor(p)
-                valid[b, P - len(p):] = True
-            pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+            ids, valid, pos = left_pad(batch)
+            P = ids.shape[1]
             cache = runner.new_cache(B, P + 64)
             prefill(runner, cache, ids, valid, pos)
             S = cache.get_seq_length()

@@ -52,6 +52,7 @@ from .drafter import (
     load_drafter,
     read_drafter_metadata,
 )
+from .ngram import NGRAM_NAME, ngram_offline_tau
 from .records import RolloutRecord, accepted_histogram, tau_of
 
 CACHE_VERSION = 1
@@ -663,8 +664,6 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
         }
     ngram_bs = int(next(iter(drafters.values())).block_size)
     if offline and ecfg.ngram:
-        from .ngram import NGRAM_NAME
-
         result["drafters"][NGRAM_NAME] = {"path": None, "block_size": ngram_bs, "target_layer_ids": [],
                                           "metadata": {"drafter": "prompt lookup", "ngram_max": ecfg.ngram_max},
                                           "flops": None, "datasets": {}}
@@ -696,8 +695,6 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
                 entry["speedup"] = measure_speedup(cfg, model, d, toks[:n], stop_token_ids=stop_ids)
             result["drafters"][name]["datasets"][ds] = entry
         if offline and ecfg.ngram:
-            from .ngram import NGRAM_NAME, ngram_offline_tau
-
             recs = ngram_offline_tau(trajs, ngram_bs, sids, max_ngram=ecfg.ngram_max)
             result["drafters"][NGRAM_NAME]["datasets"][ds] = _dataset_stats(recs, ngram_bs)
 

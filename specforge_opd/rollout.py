@@ -124,6 +124,20 @@ def _step_mask(kv_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
     return torch.cat([old, new], dim=2).unsqueeze(1)
 
 
+def left_pad(prompts: Sequence[Sequence[int]], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of prompts, left-padded: (ids int64 [B, P], valid bool [B, P], positions int64 [B, P]).
+
+    Pad slots hold id 0 and are not valid (holes); each row's positions count its own tokens from 0.
+    """
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, P, dtype=torch.long, device=device)
+    valid = torch.zeros(B, P, dtype=torch.bool, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.as_tensor(list(p), device=device)
+        valid[b, P - len(p):] = True
+    return ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
 def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, layer_ids=None, chunk: int = 256):
     """Run left-padded prompts through the target in chunks of ``chunk`` columns, appending to ``cache``.
 
@@ -457,13 +471,8 @@ class SpeculativeEngine:
         self._rows = rows  # visible to _propose overrides (tests' oracle drafters)
 
         # prefill, left-padded: pad slots are holes
-        P = max(len(p) for _, p in kept)
-        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, P, dtype=torch.bool, device=dev)
-        for b, (_, p) in enumerate(kept):
-            ids[b, P - len(p):] = torch.tensor(p, device=dev)
-            valid[b, P - len(p):] = True
-        pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+        ids, valid, pos = left_pad([p for _, p in kept], dev)
+        P = ids.shape[1]
         # room for the prompt, every token and a block of drafts; the holes that verify steps leave
         # grow it (doubling, rare) until compaction squeezes them
         self.tcache = self.runner.new_cache(B, P + rc.max_new_tokens + 2 * bs)
@@ -725,13 +734,8 @@ def autoregressive_generate(
         return [[] for _ in range(B)]
     gens = [row_generator(seed, s) if temperature > 0 else None for s in sids]
     stops = {int(t) for t in stop_token_ids}
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-    valid = torch.zeros(B, P, dtype=torch.bool, device=dev)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.as_tensor(list(p), device=dev)
-        valid[b, P - len(p):] = True
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    ids, valid, pos = left_pad(prompts, dev)
+    P = ids.shape[1]
     runner = TargetRunner.of(target_model)
     cache = runner.new_cache(B, P + max_new_tokens)
     out: list[list[int]] = [[] for _ in range(B)]
