@@ -334,3 +334,10 @@ def test_look_alike_architectures_take_the_hf_path_or_are_refused(kind):
         cfg._attn_implementation = "sdpa"
         runner = TargetRunner(LlamaForCausalLM(cfg).eval())
         assert not runner.native and "dynamic" in runner.reason
+
+
+def test_zero_new_tokens_returns_empty_rows_and_fills_stats():
+    model = make_tiny_target()
+    stats = {}
+    assert autoregressive_generate(model, [[5, 6], [7]], 0, [], stats=stats) == [[], []]
+    assert stats == {"t_prefill": 0.0, "t_decode": 0.0, "decode_steps": 0, "decode_tokens": 0}
