@@ -159,7 +159,9 @@ class TrainingConfig(Section):
     #: once a newer one is complete (each holds the drafter and its Adam moments).
     keep_checkpoints: int = Field(default=2, gt=0)
     #: OPD trainer: "auto" = bf16 params/compute on GPUs (fp32 master weights and
-    #: gradient reduction), fp32 on CPUs.
+    #: gradient reduction), fp32 on CPUs. SFT stage: the drafter's SpecForge
+    #: ``torch_dtype`` and the stored features' dtype ("auto" = ``target.dtype``;
+    #: "bf16" trains bf16 weights with SpecForge's fp32 master copies, on CPUs too).
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
     #: OPD trainer: reshuffle the records every epoch (seeded by training.seed + epoch).
     shuffle: bool = True
@@ -194,6 +196,11 @@ class SFTConfig(Section):
     init_drafter: Optional[str] = None
     #: Stop after this many optimizer steps; the cosine schedule spans them (None: epochs decide).
     max_steps: Optional[int] = Field(default=None, gt=0)
+    #: Plateau stop (needs validation): stop once this many validation points in a row
+    #: fail to beat the best earlier point by more than ``plateau_band`` (0: off).
+    plateau_patience: int = Field(default=0, ge=0)
+    #: Noise band of the plateau rule, in tau (the seed spread of tau at this scale).
+    plateau_band: float = Field(default=0.02, ge=0.0)
 
 
 class OPDConfig(Section):

@@ -460,11 +460,23 @@ def supervised_tokens(rec: ResponseRecord, max_context: int) -> int:
     return max(0, min(len(rec.prompt_ids) + len(rec.response_ids), max_context) - len(rec.prompt_ids))
 
 
-def build_feature_sample(model, rec: ResponseRecord, layer_ids: list[int], max_context: int) -> dict:
+def drafter_dtype(cfg: ExperimentConfig) -> str:
+    """The SFT drafter's training dtype, which is also the stored features' dtype.
+
+    ``training.mixed_precision``: "bf16" -> "bfloat16", "fp32" -> "float32",
+    "auto" -> ``target.dtype``. SpecForge's offline DFlash path feeds the stored
+    features straight into the drafter's ``fc``, so they must share its dtype.
+    """
+    mp = cfg.training.mixed_precision
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(mp, cfg.target.dtype)
+
+
+def build_feature_sample(model, rec: ResponseRecord, layer_ids: list[int], max_context: int,
+                         dtype: Optional[str] = None) -> dict:
     """One SpecForge offline DFlash sample.
 
     Returns ``{"input_ids": [S] int64, "loss_mask": [S] int64 (1 on response
-    tokens), "hidden_states": [1, S, len(layer_ids) * H] in the target dtype}``,
+    tokens), "hidden_states": [1, S, len(layer_ids) * H] in ``dtype`` (default: the target's)}``,
     S = prompt + response tokens truncated to ``max_context``; features are
     SpecForge's ``extract_context_feature`` of HF ``hidden_states`` (layer k =
     ``hidden_states[k + 1]``), the same call its ``spec_generate`` uses.
@@ -481,6 +493,8 @@ def build_feature_sample(model, rec: ResponseRecord, layer_ids: list[int], max_c
     with torch.inference_mode():
         out = model(input_ids[None].to(dev), output_hidden_states=True, use_cache=False, logits_to_keep=1)
     hs = extract_context_feature(out.hidden_states, layer_ids).cpu().contiguous()
+    if dtype is not None:
+        hs = hs.to(getattr(torch, dtype))
     return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_states": hs}
 
 
@@ -532,7 +546,7 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
         if path.is_file():
             continue
         model = model or get_model()
-        _atomic_torch_save(build_feature_sample(model, rec, layer_ids, cfg.target.max_context), path)
+        _atomic_torch_save(build_feature_sample(model, rec, layer_ids, cfg.target.max_context, drafter_dtype(cfg)), path)
     stats = {"samples": len(kept), "dropped": len(dropped), "dropped_ids": [x for x, _ in dropped],
              "supervised_tokens": sup, "target_layer_ids": layer_ids, "format": "specforge_hidden_states_v1",
              "files": [str(feature_path(d, j).relative_to(d)) for j in range(len(kept))]}
@@ -583,7 +597,7 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
         "model": {
             "target_model_path": target_path,
             "draft_model_config": str(draft_config_file),
-            "torch_dtype": cfg.target.dtype,
+            "torch_dtype": drafter_dtype(cfg),
             "mask_token_id": int(mask_token_id),
         },
         "data": {
@@ -704,22 +718,32 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
     unsegmented run follows. Each segment's checkpoint is exported to
     ``curve/step_<N>`` before SpecForge may prune it, and its validation tau recorded.
 
-    Returns the step's stats: ``checkpoint``/``step`` of the last segment, ``curve`` and ``selected``.
+    With ``sft.plateau_patience`` set, training stops before the next segment once the
+    curve has plateaued (``validation.plateaued``); ``sft.max_steps`` is then only a cap.
+
+    Returns the step's stats: ``checkpoint``/``step`` of the last segment, ``curve``, ``selected``
+    and ``plateau_step`` (the step at which the plateau rule stopped it, or None).
 
     Raises:
         SFTError: a segment ended at another step than planned.
     """
     from .drafter import save_drafter
-    from .validation import add_point, plot_curve, read_curve, segment_ends, select
+    from .validation import add_point, plateaued, plot_curve, read_curve, segment_ends, select
 
     steps_per_epoch, _, total = sft_steps(cfg, num_samples, gpus)
     ends = segment_ends(total, cfg.sft.val_interval or steps_per_epoch)
     curve = read_curve(d)
     stats: dict = {}
     tb = None
+    stopped = None
     for end in ends:
         if any(p["step"] == end for p in curve):
             continue
+        if plateaued(curve, cfg.sft.plateau_patience, cfg.sft.plateau_band):
+            stopped = max(p["step"] for p in curve)
+            print(f"[sft val] plateau at step {stopped}: the last {cfg.sft.plateau_patience} validation points are "
+                  f"within {cfg.sft.plateau_band} tau of the best before them; stopping", flush=True)
+            break
         seg = json.loads(json.dumps(run))
         seg["training"]["total_steps"] = total
         seg["training"]["max_steps"] = end
@@ -743,9 +767,12 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
             tb.flush()
     if tb is not None:
         tb.close()
-    if not stats:  # every point was measured before this run
+    if not stats or stopped is not None:  # every point was measured before this run, or the plateau stopped it
         last = max(curve, key=lambda p: p["step"])
         stats = {"checkpoint": last["checkpoint"], "step": last["step"]}
+    if stopped is None and plateaued(curve, cfg.sft.plateau_patience, cfg.sft.plateau_band):
+        stopped = max(p["step"] for p in curve)
+    stats["plateau_step"] = stopped
     chosen = select(curve, cfg.sft.select)
     plot_curve(curve, plot_path, chosen["step"])
     print(f"[sft val] exporting step {chosen['step']} (sft.select={cfg.sft.select}: validation tau {chosen['tau']:.3f}); "
@@ -1084,7 +1111,7 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     # -- features
     t0 = time.time()
     f_inputs = {"responses": r_key, "target": tid, "layer_ids": layer_ids, "max_context": cfg.target.max_context,
-                "dtype": cfg.target.dtype}
+                "dtype": drafter_dtype(cfg)}
     f_key = hash_inputs(f_inputs)
     f_dir = _reusable_step(cfg, out, "features", f_key)
     _keyed_step("features", f_dir, f_key, f_inputs,
@@ -1261,8 +1288,8 @@ def estimate(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Op
     """Upper-bound memory and disk estimates of the SFT stage (bytes; no weights loaded).
 
     Sequences are assumed to fill ``data.max_prompt_tokens + sft.max_new_tokens``
-    (capped by ``target.max_context``). Features: S * n_layers * H * dtype bytes
-    per sample. Train: fp32 drafter weights + grads + Adam moments (16 B/param),
+    (capped by ``target.max_context``). Features: S * n_layers * H * bytes of the
+    drafter's dtype (``drafter_dtype``) per sample. Train: fp32 drafter weights + grads + Adam moments (16 B/param),
     the frozen embedding and lm_head in the run dtype, and SpecForge's DFlash
     logits chunk of min(num_anchors, 128) blocks * block_size * vocab fp32 (x3 for
     softmax and its gradient).
@@ -1285,7 +1312,7 @@ def estimate(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Op
     draft_params = dl * (d_attn + 3 * H * d_inter) + n_ids * H * H
     blocks = min(cfg.training.num_anchors, 128)
     logits = blocks * draft_config.block_size * V * 4 * 3
-    per_sample = S * (n_ids * H * dt + 16)
+    per_sample = S * (n_ids * H * _DTYPE_BYTES[drafter_dtype(cfg)] + 16)
     n = num_prompts
     return {
         "target_params": target_params,

@@ -67,6 +67,21 @@ def select(points: Sequence[dict], rule: str) -> dict:
     return max(points, key=lambda p: (p["tau"], -p["step"]))
 
 
+def plateaued(points: Sequence[dict], patience: int, band: float) -> bool:
+    """Whether SFT has plateaued: the last ``patience`` points all fail to beat the best point before
+    them by more than ``band`` tau (``sft.plateau_patience`` / ``sft.plateau_band``).
+
+    The band is the noise of a validation tau (the seed spread at this scale is
+    0.01-0.04), so a plateau is a run of points that could be noise around the best.
+    ``patience`` 0 never stops.
+    """
+    pts = sorted(points, key=lambda p: p["step"])
+    if patience < 1 or len(pts) <= patience:
+        return False
+    best_before = max(p["tau"] for p in pts[:-patience])
+    return max(p["tau"] for p in pts[-patience:]) <= best_before + band
+
+
 class ValidationSet:
     """Greedy trajectories of the validation prompts, cached once; ``tau(drafter)`` replays a drafter on them.
 

@@ -358,3 +358,62 @@ def test_validation_prompts_follow_the_trained_ones_in_the_pool(tmp_path):
 
     eight = training_pool(cfg.data.model_copy(update={"num_prompts": 8}))
     assert [p.id for p in eight] == [p.id for p in trained + val]
+
+
+def test_plateau_rule():
+    """A plateau is `patience` points in a row within the noise band of the best point before them."""
+    from specforge_opd.validation import plateaued
+
+    def pts(*taus):
+        return [{"step": 100 * (i + 1), "tau": t} for i, t in enumerate(taus)]
+
+    assert not plateaued(pts(1.1, 1.2, 1.3, 1.4), 2, 0.02)  # still rising
+    assert plateaued(pts(1.1, 1.4, 1.41, 1.39), 2, 0.02)  # two points within the band of 1.4
+    assert not plateaued(pts(1.1, 1.4, 1.41, 1.43), 2, 0.02)  # 1.43 beats 1.40 by more than the band
+    assert not plateaued(pts(1.4, 1.3), 2, 0.02)  # fewer points than patience + 1
+    assert plateaued(pts(1.5, 1.3, 1.2), 2, 0.0)  # falling is a plateau too
+    assert not plateaued(pts(1.0, 1.0, 1.0), 0, 0.02)  # patience 0: never stops
+    assert plateaued(list(reversed(pts(1.3, 1.3, 1.3))), 2, 0.0)  # step order, not list order
+
+
+def test_plateau_stops_training_before_the_step_cap(tmp_path, chat_render, monkeypatch, capfd):
+    """sft.plateau_patience: once the curve is flat, no further segment trains, and the stats say where it stopped;
+    a rerun trains nothing more."""
+    from specforge_opd import validation
+
+    bundle = make_target_dir(tmp_path / "target")
+    monkeypatch.setattr(validation.ValidationSet, "tau", lambda self, drafter: 1.25)
+    cfg = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 0, "sft.val_prompts": 2, "sft.val_interval": 2,
+                                        "sft.max_steps": 10, "sft.plateau_patience": 1, "sft.plateau_band": 0.0})
+    sft.run_sft(cfg, bundle=bundle, prompts=make_prompts(8), target_path=bundle.path, val_prompts=make_prompts(2, start=20))
+    out = capfd.readouterr().out
+    steps = [int(m) for m in __import__("re").findall(r"^step (\d+):", out, flags=__import__("re").M)]
+    assert steps == [1, 2, 3, 4]  # segments to 2 and 4; the flat point at 4 stops it before 10
+    assert "plateau at step 4" in out
+    t_dir = next((tmp_path / "run").glob("train-*"))
+    stats = json.loads((t_dir / sft.MARKER).read_text())["stats"]
+    assert stats["plateau_step"] == 4 and stats["step"] == 4 and [p["step"] for p in stats["curve"]] == [2, 4]
+    assert stats["selected"]["step"] == 2  # the earliest of equal taus
+
+
+def test_bf16_drafter_training_on_cpu(tmp_path, chat_render):
+    """training.mixed_precision=bf16: features are stored in bf16 and SpecForge trains a bf16 drafter on a CPU
+    (fp32 features into a bf16 fc was SpecForge's dtype error); the export loads and the features key differs."""
+    from specforge_opd.drafter import load_drafter
+
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 1, "training.mixed_precision": "bf16"})
+    assert sft.drafter_dtype(cfg) == "bfloat16" and sft.drafter_dtype(tiny_cfg(tmp_path / "x")) == "float32"
+    final = sft.run_sft(cfg, bundle=bundle, prompts=make_prompts(6), target_path=bundle.path)
+    f_dir = next((tmp_path / "run").glob("features-*"))
+    sample = torch.load(sorted(f_dir.glob("rows_*/data_*.ckpt"))[0], weights_only=True)
+    assert sample["hidden_states"].dtype == torch.bfloat16
+    import yaml
+
+    run = yaml.safe_load(next((tmp_path / "run").glob("train-*/run.yaml")).read_text())
+    assert run["model"]["torch_dtype"] == "bfloat16"
+    load_drafter(final, target_config=bundle.model.config)
+    # fp32 features of the same responses live under another key
+    cfg32 = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 1})
+    sft.run_sft(cfg32, bundle=bundle, prompts=make_prompts(6), target_path=bundle.path)
+    assert len(list((tmp_path / "run").glob("features-*"))) == 2
