@@ -12,7 +12,7 @@ setup(
     description="Draft-OPD: on-policy distillation for speculative-decoding draft models",
     python_requires=">=3.11",
     packages=find_packages(include=["specforge_opd", "specforge_opd.*"]),
-    package_data={"specforge_opd": ["fixtures/**/*", "fixtures/*"]},
+    package_data={"specforge_opd": ["fixtures/**/*", "fixtures/*", "published/**/*", "published/*"]},
     install_requires=[
         "torch>=2.11",
         "transformers>=5.8.1,<5.9",

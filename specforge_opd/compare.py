@@ -1,11 +1,12 @@
-"""The main job's comparison (issue 9): SFT vs matched-FLOPs SFT vs OPD, tau per held-out set.
+"""The main job's comparison: prompt lookup vs SFT vs matched-FLOPs SFT vs OPD, tau per held-out set.
 
-(a) the SFT drafter; (b) the SFT drafter trained further by SFT (SpecForge, on the
-SFT stage's cached features, fresh warmup + cosine) for the same extra
-drafter-training FLOPs as the OPD stage spent; (c) the OPD drafter. The FLOPs
-come from the drafters' metadata (``specforge_opd.flops``): the OPD stage's
-``drafter_budget`` (drafter forward + backward + the teacher's lm_head) divided
-by the cost of one SFT optimizer step on the cached samples gives (b)'s steps.
+(a) the drafter OPD started from (the OPD config's ``draft.path``: a published
+drafter or the SFT stage's export); (b) that drafter trained further by SFT
+(SpecForge, fresh warm-up, on the target's responses to the OPD prompt pool by
+default) for the same drafter-training FLOPs as the OPD stage spent; (c) the OPD
+drafter. The FLOPs come from the drafters' metadata (``specforge_opd.flops``): the
+OPD stage's ``drafter_budget`` (drafter forward + backward + the teacher's lm_head)
+divided by the cost of one SFT optimizer step on (b)'s responses gives (b)'s steps.
 
 ``python -m specforge_opd.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml``
 """
@@ -22,54 +23,96 @@ from .config import load_config
 from .drafter import read_drafter_metadata
 
 
-def matched_sft_steps(sft_cfg, sft_out: Path, opd_final: Path) -> tuple[int, float, float]:
-    """(steps, OPD drafter FLOPs, FLOPs per SFT step) for the matched-FLOPs baseline.
+def opd_drafter_flops(opd_final: Path) -> float:
+    """The OPD stage's drafter-training FLOPs (``drafter_budget`` of its export's ``opd_flops``).
 
     Raises:
-        ValueError: the OPD export has no FLOPs metadata, or no finished SFT responses exist.
+        ValueError: the OPD export has no FLOPs metadata.
     """
-    from transformers import AutoConfig
-
-    from .drafter import load_draft_config
     from .flops import FlopsLedger
-    from .sft import MARKER, read_responses, sft_flops
 
     meta = read_drafter_metadata(opd_final)
     if "opd_flops" not in meta:
         raise ValueError(f"{opd_final}: no opd_flops metadata (not an OPD export of this project)")
-    opd = FlopsLedger.from_dict(meta["opd_flops"]).drafter_budget
-    rdirs = [d for d in sorted(sft_out.glob("responses-*")) if (d / MARKER).is_file()]
-    if not rdirs:
-        raise ValueError(f"{sft_out}: no finished SFT responses (run scripts/train_sft.sh first)")
-    responses = read_responses(rdirs[-1])
-    dcfg = load_draft_config(sft_out / "final")
-    tcfg = AutoConfig.from_pretrained(read_drafter_metadata(sft_out / "final")["target"])
+    return FlopsLedger.from_dict(meta["opd_flops"]).drafter_budget
+
+
+def matched_steps(sft_cfg, start: Path, responses: list, opd_flops: float) -> tuple[int, float]:
+    """(steps, FLOPs per SFT step): continued-SFT steps of ``sft_cfg`` on ``responses`` that spend
+    ``opd_flops`` drafter-training FLOPs, for the drafter at ``start`` (its shape sets the cost)."""
+    from transformers import AutoConfig
+
+    from .drafter import load_draft_config
+    from .sft import sft_flops
+
+    dcfg = load_draft_config(start)
+    tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
     per_step = sft_flops(sft_cfg, dcfg, tcfg, responses, steps=1, captured_here=False).drafter_train
-    return max(1, math.ceil(opd / per_step)), opd, per_step
+    return max(1, math.ceil(opd_flops / per_step)), per_step
+
+
+def _target_of(cfg, start: Path) -> str:
+    """The target's HF directory: the one the starting drafter records, else the config's."""
+    from .sft import target_dir
+
+    t = read_drafter_metadata(start).get("target")
+    return t if t and Path(t).is_dir() else target_dir(cfg)
+
+
+def _main_job_sft(sft_cfg) -> Optional[dict]:
+    """The SFT stage's own export (``<sft output.dir>/final``): its selected step and validation tau, if any."""
+    final = Path(sft_cfg.resolve_path(sft_cfg.output.dir)) / "final"
+    v = read_drafter_metadata(final).get("validation") if final.is_dir() else None
+    return None if not v else {"path": str(final), "selected_step": v["selected_step"], "validation_tau": v["selected_tau"],
+                               "val_prompts": v["val_prompts"]}
 
 
 def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None, overrides: Optional[list[str]] = None,
-                    opd_out: Optional[Path] = None) -> Path:
+                    opd_out: Optional[Path] = None, baseline: str = "opd_pool") -> Path:
     """Train (b), the matched-FLOPs SFT drafter; returns its export directory.
 
+    (b) continues SFT (``sft_config``'s training recipe, fresh warm-up) from the drafter
+    OPD started from (the OPD config's ``draft.path``) for the drafter-training FLOPs
+    the OPD run spent. ``baseline``: ``opd_pool`` (default; the paper's Figure 4
+    baseline) trains on the target's responses to the OPD stage's own prompt pool
+    (its ``data`` section, ``rollout.max_new_tokens``), so it needs no SFT data: a
+    published drafter works as well as this repository's SFT export; ``sft_data``
+    trains on the SFT stage's own responses and features (reused from its output dir).
     ``opd_out`` is the OPD run to match (default: the OPD config's ``output.dir``).
+
+    Raises:
+        ValueError: an unknown ``baseline``, no ``draft.path`` in the OPD config, or no OPD FLOPs metadata.
     """
     from .sft import run_sft
 
+    if baseline not in ("opd_pool", "sft_data"):
+        raise ValueError(f"baseline={baseline!r}: expected opd_pool or sft_data")
     sft_cfg = load_config(sft_config, overrides)
     opd_cfg = load_config(opd_config, overrides)
+    if opd_cfg.draft.path is None:
+        raise ValueError(f"{opd_config}: draft.path is not set: the matched baseline starts where OPD started")
+    start = Path(opd_cfg.resolve_path(opd_cfg.draft.path))
     sft_out = Path(sft_cfg.resolve_path(sft_cfg.output.dir))
     opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
-    steps, opd_flops, per_step = matched_sft_steps(sft_cfg, sft_out, opd_final)
-    out = out or sft_out.parent / "sft_matched"
-    print(f"[compare] OPD spent {opd_flops:.3e} drafter FLOPs; one SFT step costs {per_step:.3e}: "
-          f"continuing SFT for {steps} steps -> {out}", file=sys.stderr)
-    cfg = load_config(sft_config, list(overrides or []) + [
-        f"output.dir={out}", f"sft.reuse_from={sft_out}", f"sft.init_drafter={sft_out / 'final'}", f"sft.max_steps={steps}",
-        # the baseline is the drafter at the matched FLOPs, not the best point of a curve
-        "sft.val_prompts=0",
-    ])
-    return run_sft(cfg)
+    opd = opd_drafter_flops(opd_final)
+    out = Path(out or sft_out.parent / "sft_matched")
+    ov = list(overrides or []) + [f"output.dir={out}", f"sft.init_drafter={start}",
+                                  # the baseline is the drafter at the matched FLOPs, not the best point of a curve
+                                  "sft.val_prompts=0"]
+    if baseline == "sft_data":
+        ov.append(f"sft.reuse_from={sft_out}")
+    cfg = load_config(sft_config, ov)
+    if baseline == "opd_pool":
+        cfg = cfg.model_copy(update={"data": opd_cfg.data, "sft": cfg.sft.model_copy(
+            update={"max_new_tokens": opd_cfg.rollout.max_new_tokens})})
+
+    def steps_for(responses: list) -> int:
+        steps, per_step = matched_steps(cfg, start, responses, opd)
+        print(f"[compare] OPD spent {opd:.3e} drafter FLOPs; one SFT step costs {per_step:.3e}: continuing SFT "
+              f"from {start} for {steps} steps on the {baseline} responses -> {out}", file=sys.stderr)
+        return steps
+
+    return run_sft(cfg, max_steps_for=steps_for)
 
 
 def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_seconds: dict, extra: Optional[dict] = None) -> dict:
@@ -156,6 +199,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--summary", help="also write the machine-readable result (summary.json) here")
     p.add_argument("--stage-seconds", nargs="*", default=[], metavar="STAGE=SECONDS",
                    help="wall times of the stages before this one, for the summary")
+    p.add_argument("--baseline", choices=["opd_pool", "sft_data"], default="opd_pool",
+                   help="what the matched-FLOPs SFT baseline trains on (default: responses to the OPD prompt pool)")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides applied to both configs")
     args = p.parse_args(argv)
     from .evaluate import evaluate
@@ -166,7 +211,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .target import apply_threads
 
     apply_threads(opd_cfg.target.threads)
-    sft_final = Path(sft_cfg.resolve_path(sft_cfg.output.dir)) / "final"
     opd_final = Path(opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     import time
 
@@ -175,9 +219,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         k, _, v = kv.partition("=")
         stages[k] = float(v)
     t0 = time.time()
-    matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides)
+    matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides, baseline=args.baseline)
     stages["matched_sft"] = time.time() - t0
-    drafters = {"SFT": sft_final, "SFT + matched-FLOPs SFT": matched, "SFT + OPD": opd_final}
+    # the SFT row is the drafter OPD started from: a published drafter or this run's SFT export
+    start = Path(opd_cfg.resolve_path(opd_cfg.draft.path))
+    drafters = {"SFT": start, "SFT + matched-FLOPs SFT": matched, "SFT + OPD": opd_final}
     out = Path(args.out) if args.out else opd_final.parent / "comparison"
     t0 = time.time()
     result = evaluate(opd_cfg, drafters, out)
@@ -190,7 +236,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .atomic import atomic_write_text
 
         summary = build_summary(result, names, seeds=[opd_cfg.data.seed, opd_cfg.rollout.seed], stage_seconds=stages,
-                                extra={"seed_fields": ["opd data.seed", "opd rollout.seed"]})
+                                extra={"seed_fields": ["opd data.seed", "opd rollout.seed"],
+                                       "sft_row": str(opd_cfg.draft.path), "baseline": args.baseline,
+                                       "main_job_sft": _main_job_sft(sft_cfg)})
         atomic_write_text(Path(args.summary), json.dumps(summary, indent=2))
         print(f"summary: {args.summary}")
     (out / "comparison.md").write_text(

@@ -246,9 +246,21 @@ class SGLangConfig(Section):
     #: Command that runs SGLang's Python (SGLang usually lives in its own env).
     python: str = "python"
     urls: List[str] = Field(default_factory=list)
-    max_total_tokens: int = Field(default=65536, gt=0)
+    #: KV pool of a launched server in tokens (``--max-total-tokens``); None lets SGLang
+    #: size it from the GPU (``mem_fraction_static``). Native rollouts bound the tokens
+    #: in flight by the pool the server reports, so queued requests never time out.
+    max_total_tokens: Optional[int] = Field(default=65536, gt=0)
+    #: ``--mem-fraction-static`` of a launched server: its share of the GPU (weights
+    #: and KV pool); the rest stays with the drafter (and, in verify mode, the
+    #: target's embedding and lm_head). None: SGLang's default.
+    mem_fraction_static: Optional[float] = Field(default=None, gt=0.0, lt=1.0)
+    #: Move the in-process target off the GPU while a rollout goes through SGLang
+    #: (the server holds its own copy); verify mode keeps the embedding and lm_head.
+    offload_target: bool = True
     startup_timeout_s: float = Field(default=600.0, gt=0)
+    #: Per-request timeout = request_timeout_s + timeout_per_token_s * max_new_tokens.
     request_timeout_s: float = Field(default=120.0, gt=0)
+    timeout_per_token_s: float = Field(default=0.05, ge=0.0)
     max_in_flight: int = Field(default=64, gt=0)
     extra_args: List[str] = Field(default_factory=list)
     #: Module run as ``python -m MODULE`` (the test stand-in replaces SGLang's own).
@@ -288,9 +300,21 @@ class ExperimentConfig(Section):
     source_file: Optional[str] = None
 
     def resolve_path(self, p: Optional[str]) -> Optional[Path]:
-        """Resolve a config path: absolute as is; relative against the current directory."""
+        """Resolve a config path: absolute as is; relative against the current directory;
+        ``published:NAME`` to a drafter shipped in the package (``specforge_opd.published``).
+
+        Raises:
+            ConfigError: ``published:NAME`` names no published drafter.
+        """
         if p is None:
             return None
+        from .published import SCHEME, resolve
+
+        if str(p).startswith(SCHEME):
+            try:
+                return resolve(str(p))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         return Path(os.path.expanduser(p)).resolve()
 
 

@@ -205,8 +205,25 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
     return out
 
 
+def drafter_path(path: str | os.PathLike) -> Path:
+    """A drafter location as a directory: ``published:NAME`` names one shipped in the package.
+
+    Raises:
+        DrafterError: ``published:NAME`` names no published drafter.
+    """
+    from .published import SCHEME, resolve
+
+    if str(path).startswith(SCHEME):
+        try:
+            return resolve(str(path))
+        except ValueError as e:
+            raise DrafterError(str(e)) from None
+    return Path(path)
+
+
 def read_drafter_metadata(path: str | os.PathLike) -> dict:
-    p = Path(path) / METADATA_FILE
+    """The export's ``specforge_opd.json`` (empty for checkpoints that carry none)."""
+    p = drafter_path(path) / METADATA_FILE
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
@@ -233,7 +250,7 @@ def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
     Raises:
         DrafterError: missing file, wrong architecture, or missing ``dflash_config`` fields.
     """
-    p = Path(path)
+    p = drafter_path(path)
     cfg_file = p / "config.json" if p.is_dir() else p
     if not cfg_file.is_file():
         raise DrafterError(f"drafter {path}: no config.json (expected an HF DFlash directory)")
@@ -264,7 +281,7 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
         DrafterError: not a DFlash directory, incompatible with the target, or
             weights that do not match the architecture.
     """
-    p = Path(path)
+    p = drafter_path(path)
     if not p.exists():
         raise DrafterError(f"drafter path {p} does not exist (draft.path)")
     config = load_draft_config(p)

@@ -588,6 +588,9 @@ def _dataset_stats(records: list[RolloutRecord], block_size: int) -> dict:
     return {
         "tau": tau_of(records),
         "tau_per_prompt": [tau_of([r]) for r in records],
+        # per-prompt counts behind the pooled tau, for bootstrap intervals (specforge_opd.stats)
+        "tokens_per_prompt": [int(r.completion_tokens) for r in records],
+        "steps_per_prompt": [int(r.num_blocks) for r in records],
         "histogram": accepted_histogram(records, block_size),
         "completion_tokens": sum(r.completion_tokens for r in records),
         "verify_steps": steps,

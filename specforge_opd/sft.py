@@ -914,9 +914,9 @@ def load_any_drafter(path: str | os.PathLike, target_config, *, expected_mask_to
     Raises:
         DrafterError: the path holds no drafter, or what does not fit the target.
     """
-    from .drafter import DrafterError, check_compatible, load_draft_config, load_drafter
+    from .drafter import DrafterError, check_compatible, drafter_path, load_draft_config, load_drafter
 
-    p = Path(path)
+    p = drafter_path(path)
     if not p.exists():
         raise DrafterError(f"drafter path {p} does not exist (draft.path)")
     if p.is_dir() and (p / "config.json").is_file():
@@ -1054,7 +1054,8 @@ def _load_val_prompts(cfg: ExperimentConfig) -> list:
 
 
 def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
-            target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None) -> Path:
+            target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None,
+            max_steps_for: Optional[Callable[[list], int]] = None) -> Path:
     """Run the SFT stage end to end; returns the exported HF DFlash directory ``<output.dir>/final``.
 
     ``bundle`` (a ``TargetBundle``-like object with ``model``, ``tokenizer``,
@@ -1062,7 +1063,9 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     (HF directory SpecForge loads the target embedding / lm_head / tokenizer
     from) default to ``target.load_target``, ``prompts.training_pool`` and
     ``target_dir(cfg)``; ``val_prompts`` (records, with ``sft.val_prompts`` > 0)
-    defaults to the pool's prompts after the trained ones. Writes ``<output.dir>/sft_report.json`` (wall time per
+    defaults to the pool's prompts after the trained ones. ``max_steps_for``, given the
+    finished responses (``ResponseRecord`` list), sets ``sft.max_steps`` before training:
+    a budget that depends on the data (the matched-FLOPs baseline). Writes ``<output.dir>/sft_report.json`` (wall time per
     step, disk used, the export check's tau).
 
     Raises:
@@ -1107,6 +1110,9 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     _keyed_step("responses", r_dir, r_key, r_inputs,
                 lambda: dict(run_responses(r_dir, tokenized, get_bundle(), cfg), prompts_too_long_skipped=too_long), skipped)
     timings["responses"] = time.time() - t0
+    if max_steps_for is not None:
+        steps = int(max_steps_for(read_responses(r_dir)))
+        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"max_steps": steps})})
 
     # -- features
     t0 = time.time()

@@ -1,0 +1,129 @@
+"""The matched-FLOPs SFT baseline (compare.run_matched_sft) and published-drafter paths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from conftest import make_tiny_drafter
+from sft_helpers import make_target_dir
+
+from specforge_opd import compare, sft
+from specforge_opd.drafter import save_drafter
+from specforge_opd.flops import FlopsLedger
+
+
+def _write_configs(tmp_path, start: str, target: str):
+    sft_yaml = tmp_path / "sft.yaml"
+    sft_yaml.write_text(yaml.safe_dump({
+        "target": {"path": target, "max_context": 64},
+        "draft": {"num_hidden_layers": 2, "block_size": 4, "mask_token_id": 96},
+        "data": {"train_sources": ["sharegpt"], "num_prompts": 100, "slices": [0], "num_slices": 4},
+        "sft": {"max_new_tokens": 8, "val_prompts": 16},
+        "training": {"num_anchors": 4},
+        "output": {"dir": str(tmp_path / "sft_run")},
+    }))
+    opd_yaml = tmp_path / "opd.yaml"
+    opd_yaml.write_text(yaml.safe_dump({
+        "target": {"path": target, "max_context": 64},
+        "draft": {"path": start, "num_hidden_layers": 2, "block_size": 4, "mask_token_id": 96},
+        "data": {"train_sources": ["sharegpt"], "num_prompts": 12, "slices": [1, 2], "num_slices": 4, "seed": 7},
+        "rollout": {"max_new_tokens": 24},
+        "output": {"dir": str(tmp_path / "opd_run")},
+    }))
+    return sft_yaml, opd_yaml
+
+
+@pytest.mark.parametrize("baseline", ["opd_pool", "sft_data"])
+def test_matched_baseline_starts_where_opd_started_and_spends_its_flops(tmp_path, monkeypatch, baseline):
+    """(b) continues SFT from the OPD config's draft.path (not the SFT stage's export), on the OPD prompt pool
+    by default, for ceil(OPD drafter FLOPs / FLOPs of one SFT step on the responses it trains on) steps."""
+    bundle = make_target_dir(tmp_path / "target")
+    start = save_drafter(make_tiny_drafter(bundle.model), tmp_path / "published_start",
+                         metadata={"stage": "sft", "target": bundle.path})
+    sft_yaml, opd_yaml = _write_configs(tmp_path, str(start), bundle.path)
+    opd_flops = 3.3e9
+    save_drafter(make_tiny_drafter(bundle.model, seed=2), tmp_path / "opd_run" / "final",
+                 metadata={"opd_flops": FlopsLedger(drafter_train=3.0e9, teacher_lm_head=0.3e9).to_dict()})
+    responses = [sft.ResponseRecord(id=f"r{i}", prompt_ids=list(range(3, 13)), response_ids=list(range(20, 40)),
+                                    finished=True) for i in range(5)]
+    seen = {}
+
+    def fake_run_sft(cfg, *, max_steps_for=None, **kw):
+        seen["cfg"] = cfg
+        seen["steps"] = max_steps_for(responses)
+        return tmp_path / "matched" / "final"
+
+    monkeypatch.setattr(sft, "run_sft", fake_run_sft)
+    out = compare.run_matched_sft(str(sft_yaml), str(opd_yaml), out=tmp_path / "matched", baseline=baseline)
+    assert out == tmp_path / "matched" / "final"
+    cfg = seen["cfg"]
+    assert cfg.sft.init_drafter == str(start) and cfg.sft.val_prompts == 0
+    assert cfg.output.dir == str(tmp_path / "matched")
+    if baseline == "opd_pool":
+        assert cfg.data.slices == [1, 2] and cfg.data.num_prompts == 12 and cfg.data.seed == 7
+        assert cfg.sft.max_new_tokens == 24 and cfg.sft.reuse_from is None
+    else:
+        assert cfg.data.slices == [0] and cfg.sft.reuse_from == str(tmp_path / "sft_run")
+    from specforge_opd.drafter import load_draft_config
+
+    per_step = sft.sft_flops(cfg, load_draft_config(start), bundle.model.config, responses, steps=1,
+                             captured_here=False).drafter_train
+    assert seen["steps"] == math.ceil(opd_flops / per_step) and seen["steps"] > 1
+
+
+def test_matched_baseline_refuses_unknown_baseline_and_missing_start(tmp_path):
+    bundle = make_target_dir(tmp_path / "target")
+    sft_yaml, opd_yaml = _write_configs(tmp_path, str(tmp_path / "x"), bundle.path)
+    with pytest.raises(ValueError, match="baseline='loss'"):
+        compare.run_matched_sft(str(sft_yaml), str(opd_yaml), baseline="loss")
+    opd_yaml.write_text(opd_yaml.read_text().replace(f"path: {tmp_path / 'x'}", "path: null"))
+    with pytest.raises(ValueError, match="draft.path is not set"):
+        compare.run_matched_sft(str(sft_yaml), str(opd_yaml))
+
+
+def test_published_paths_resolve_and_unknown_names_say_what_exists(tmp_path, monkeypatch):
+    from specforge_opd import published
+    from specforge_opd.config import ConfigError, load_config
+    from specforge_opd.drafter import DrafterError, drafter_path
+
+    bundle = make_target_dir(tmp_path / "target")
+    monkeypatch.setattr(published, "PUBLISHED_DIR", tmp_path / "pub")
+    save_drafter(make_tiny_drafter(bundle.model), tmp_path / "pub" / "tiny-b4", metadata={"stage": "sft"})
+    cfg = load_config(None, ["draft.path=published:tiny-b4"])
+    assert cfg.resolve_path(cfg.draft.path) == tmp_path / "pub" / "tiny-b4"
+    assert drafter_path("published:tiny-b4") == tmp_path / "pub" / "tiny-b4"
+    assert published.available() == ["tiny-b4"]
+    with pytest.raises(ConfigError, match="no such published drafter; available: published:tiny-b4"):
+        cfg.resolve_path("published:nope")
+    with pytest.raises(DrafterError, match="no such published drafter"):
+        drafter_path("published:nope")
+
+
+def test_trained_positions_counts_anchors_per_sample():
+    from specforge_opd.published import trained_positions
+
+    # supervised 5 -> 4 anchors, 200 -> capped at 128; block 8; two whole epochs, then half of one
+    assert trained_positions(4, [5, 200], 128, 8) == 2 * (4 + 128) * 8
+    assert trained_positions(5, [5, 200], 128, 8) == 2 * (4 + 128) * 8 + round(132 * 8 / 2)
+
+
+def test_bootstrap_intervals_are_paired_and_pooled():
+    import numpy as np
+
+    from specforge_opd.stats import bootstrap_mean_tau, interval
+
+    a = {"x": ([10, 30, 20], [10, 10, 10]), "y": ([8, 8], [4, 4])}  # pooled: x 2.0, y 2.0 -> mean 2.0
+    b = {"x": ([11, 33, 22], [10, 10, 10]), "y": ([8.8, 8.8], [4, 4])}  # 1.1x a on every prompt
+    reps = bootstrap_mean_tau({"a": a, "b": b}, replicates=500, seed=1)
+    lo, hi = interval(reps["a"])
+    assert lo < 2.0 < hi and lo > 1.0
+    ratio = reps["b"] / reps["a"]
+    np.testing.assert_allclose(ratio, 1.1)  # paired: the same prompts in each replicate, so the ratio is exact
+    # pooled, not a mean of per-prompt taus: one long prompt weighs more
+    one = bootstrap_mean_tau({"a": {"x": ([2, 90], [2, 10])}}, replicates=2000, seed=0)["a"]
+    assert abs(np.median(one) - 92 / 12) < 2.5
+    with pytest.raises(ValueError, match="different prompts"):
+        bootstrap_mean_tau({"a": a, "b": {"x": ([1], [1]), "y": ([1, 1], [1, 1])}})
