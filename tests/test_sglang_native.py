@@ -11,7 +11,13 @@ import torch
 from specforge_opd.config import SGLangConfig
 from specforge_opd.sglang.contract import ContractError, NativeStep, parse_native_response
 from specforge_opd.sglang.launcher import Endpoints
-from specforge_opd.sglang.native import customized_info_of, native_rollout_async, record_from_native, verify_step_payloads
+from specforge_opd.sglang.native import (
+    customized_info_of,
+    draft_logprobs,
+    native_rollout_async,
+    record_from_native,
+    step_payloads,
+)
 from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_sequence
 from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
 
@@ -20,32 +26,43 @@ from conftest import make_tiny_drafter, make_tiny_target
 BS = 4
 
 
-def test_verify_step_payloads_on_hand_made_sglang_tensors():
-    # batch of 2 requests, bs = 4, vocab 6; SGLang's flat layouts: draft_token [B*bs], logits [B*bs, V]
-    draft_token = torch.tensor([3, 1, 2, 5, 4, 0, 0, 0])
+def test_step_payloads_on_hand_made_sglang_tensors():
+    # batch of 2 requests, bs = 4, vocab 6, as DFlashWorkerV2 holds them after verify: the drafted block
+    # [B, bs] (slot 0 = previous bonus), accept_lens [B] = accepted + 1, seq_lens [B] = anchors, logits [B*bs, V]
+    draft_block = torch.tensor([[3, 1, 2, 5], [4, 0, 0, 0]])
     V = 6
     logits = torch.full((8, V), -5.0)
-    # request 0: slot0 predicts 1 (= d_1), slot1 predicts 2 (= d_2), slot2 predicts 4 (!= d_3=5) -> r = 2
     for row, tok in enumerate([1, 2, 4, 0]):
         logits[row, tok] = 5.0
-    # request 1: slot0 predicts 3 (!= d_1=0) -> r = 0, even though later slots would match
     for row, tok in enumerate([3, 0, 0, 1]):
         logits[4 + row, tok] = 5.0
-    seq_lens = torch.tensor([10, 7])
-    out = verify_step_payloads(draft_token, logits, seq_lens, BS)
+    out = step_payloads(draft_block, torch.tensor([3, 1]), torch.tensor([10, 7]), logits, block_size=BS)
     assert [p["opd_anchor"] for p in out] == [10, 7]
     assert out[0]["opd_draft"] == [1, 2, 5] and out[1]["opd_draft"] == [0, 0, 0]
+    # the accepted count is SGLang's own (accept_lens - 1), never recomputed: at T > 0 acceptance is sampled
     assert [p["opd_accepted"] for p in out] == [2, 0]
     lse = torch.logsumexp(torch.tensor([5.0] + [-5.0] * 5), 0)
     hit, miss = 5.0 - float(lse), -5.0 - float(lse)
     assert out[0]["opd_draft_logprob"] == pytest.approx([hit, hit, miss], abs=1e-5)
     assert out[1]["opd_draft_logprob"] == pytest.approx([miss, hit, hit], abs=1e-5)
-    # the [B, bs, V] layout gives the same answer
-    assert verify_step_payloads(draft_token.view(2, BS), logits.view(2, BS, V), seq_lens, BS) == out
+    # the flat [B*bs] block and [B, bs, V] logits give the same answer; chunked log-probs equal unchunked
+    assert step_payloads(draft_block.reshape(-1), torch.tensor([3, 1]), torch.tensor([10, 7]), logits.view(2, BS, V), block_size=BS) == out
+    lp1 = draft_logprobs(logits, draft_block[:, 1:], block_size=BS, chunk_rows=1)
+    assert torch.allclose(lp1, draft_logprobs(logits, draft_block[:, 1:], block_size=BS), atol=1e-6)
+    # a padded lm_head: columns past the vocabulary are ignored
+    padded = torch.cat([logits, torch.full((8, 2), 9.0)], 1)
+    assert step_payloads(draft_block, torch.tensor([3, 1]), torch.tensor([10, 7]), padded, block_size=BS, vocab_size=V) == out
+    # no logits: the records carry no log-probs
+    bare = step_payloads(draft_block, torch.tensor([3, 1]), torch.tensor([10, 7]), None, block_size=BS)
+    assert [p["opd_draft_logprob"] for p in bare] == [None, None] and bare[0]["opd_accepted"] == 2
     info = customized_info_of(out)
     assert info["opd_accepted"] == [2, 0] and len(info["opd_draft"]) == 2
     with pytest.raises(ValueError, match="seq_lens"):
-        verify_step_payloads(draft_token, logits, torch.tensor([1]), BS)
+        step_payloads(draft_block, torch.tensor([3, 1]), torch.tensor([1]), logits, block_size=BS)
+    with pytest.raises(ValueError, match="accept_lens"):
+        step_payloads(draft_block, torch.tensor([5, 1]), torch.tensor([10, 7]), logits, block_size=BS)
+    with pytest.raises(ValueError, match="shard"):
+        step_payloads(draft_block, torch.tensor([3, 1]), torch.tensor([10, 7]), logits[:, :3], block_size=BS, vocab_size=V)
 
 
 def _steps():
@@ -72,16 +89,41 @@ def test_record_from_native_rejects_inconsistent_steps():
         record_from_native("s", prompt, [20, 7, 99, 30, 31], _steps(), block_size=BS, teacher="token", stop_token_ids=[])
 
 
+def test_parse_native_response_reads_keys_at_top_level_of_meta_info():
+    """0.5.23's tokenizer manager sets meta_info[key] for every customized_info key: no nested object."""
+    meta = {"spec_verify_ct": 2, "num_retractions": 0, "opd_anchor": [3, 6], "opd_draft": [[7, 8, 9], "[4, 4, 4]"],
+            "opd_accepted": [2, 0], "opd_draft_logprob": [[-0.1, -0.2, -3.0], None]}
+    resp = parse_native_response({"output_ids": [20, 7, 8, 30, 31], "meta_info": meta}, block_size=BS)
+    assert [s.anchor for s in resp.steps] == [3, 6] and resp.steps[1].draft == [4, 4, 4]
+    assert resp.steps[1].draft_logprob is None and resp.spec_verify_ct == 2 and resp.num_retractions == 0
+
+
 def test_parse_native_response_names_missing_plugin_fields():
     payload = {"output_ids": [1, 2], "meta_info": {"spec_verify_ct": 1}}
-    with pytest.raises(ContractError, match=r"customized_info.*native plugin.*server version 9.9"):
+    with pytest.raises(ContractError, match=r"opd_anchor`: missing.*native plugin.*Failed to apply hooks.*server version 9.9"):
         parse_native_response(payload, block_size=BS, server_version="9.9")
-    payload["meta_info"]["customized_info"] = {"opd_anchor": [3], "opd_draft": [[1, 2]], "opd_accepted": [0]}
+    payload["meta_info"].update({"opd_anchor": [3], "opd_draft": [[1, 2]], "opd_accepted": [0]})
     with pytest.raises(ContractError, match=r"opd_draft\[0\]`: expected 3 tokens"):
         parse_native_response(payload, block_size=BS)
-    payload["meta_info"]["customized_info"] = {"opd_anchor": [3, 4], "opd_draft": [[1, 2, 3]], "opd_accepted": [0]}
+    payload["meta_info"].update({"opd_anchor": [3, 4], "opd_draft": [[1, 2, 3]], "opd_accepted": [0]})
     with pytest.raises(ContractError, match=r"opd_anchor`: 2 entries != spec_verify_ct 1"):
         parse_native_response(payload, block_size=BS)
+    # fewer values than steps: an early flush cut them by token offset
+    payload["meta_info"].update({"spec_verify_ct": 2, "opd_anchor": [3], "opd_draft": [[1, 2, 3]], "opd_accepted": [0]})
+    with pytest.raises(ContractError, match=r"1 entries != spec_verify_ct 2.*SGLANG_FORCE_STREAM_INTERVAL"):
+        parse_native_response(payload, block_size=BS)
+
+
+def test_parse_native_response_zero_verify_steps():
+    """SGLang omits spec_verify_ct when a request finished with no verify step: zero steps, not an error;
+    but many output tokens without any verify step mean the server did not decode speculatively."""
+    resp = parse_native_response({"output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}}, block_size=BS)
+    assert resp.steps == [] and resp.spec_verify_ct == 0 and resp.finish_reason == "stop"
+    # batched with other requests, a zero-step request may carry empty or None-padded values
+    padded = {"opd_anchor": [None], "opd_draft": [None], "opd_accepted": [None], "opd_draft_logprob": [None]}
+    assert parse_native_response({"output_ids": [1], "meta_info": padded}, block_size=BS).steps == []
+    with pytest.raises(ContractError, match=r"spec_verify_ct`: absent or 0 with 5 output tokens.*DFLASH"):
+        parse_native_response({"output_ids": [1, 2, 3, 4, 5], "meta_info": {}}, block_size=BS)
 
 
 def test_native_loop_against_standin_matches_in_process_rollout():

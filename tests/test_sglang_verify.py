@@ -172,7 +172,8 @@ def test_launcher_args_for_each_mode():
     v = server_args(cfg, model_path="/m", port=1234, mode="verify", target_layer_ids=[1, 9, 17])
     assert v[v.index("--host") + 1] == "127.0.0.1" and v[v.index("--max-total-tokens") + 1] == "4096"
     i = v.index("--return-aux-hidden-state-layer-ids")
-    assert v[i + 1 : i + 4] == ["2", "10", "18"]  # output of layer k = captured before layer k+1
+    assert v[i + 1 : i + 4] == ["1", "9", "17"]  # unchanged: SGLang adds the +1 (captures before layer k+1)
+    assert v[v.index("--speculative-algorithm") + 1] == "DFLASH" and "--speculative-draft-model-path" not in v
     assert "--enable-return-aux-hidden-states" in v and v[-2:] == ["--mem-fraction-static", "0.8"]
     n = server_args(cfg, model_path="/m", port=1234, mode="native", draft_path="/d", block_size=16)
     assert n[n.index("--speculative-algorithm") + 1] == "DFLASH"

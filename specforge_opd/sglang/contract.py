@@ -1,9 +1,12 @@
 """The HTTP contract with SGLang: every request and response field both modes use.
 
-Read from SGLang's ``/generate`` API (``GenerateReqInput`` and the ``meta_info``
-the tokenizer manager returns) and its DFLASH worker (``speculative/dflash_info.py``:
-``DFlashVerifyInput.verify``), on the main-branch sources after 0.5.23; the GPU
-check scripts (``scripts/gpu_check_sglang*.sh``) confirm the parts a CPU cannot.
+Read from the ``sglang==0.5.23`` wheel (``tests/test_sglang_contract.py`` reads
+the same wheel's source in CI and names whatever moved): its ``/generate`` API
+(``managers/io_struct.py: GenerateReqInput``), the ``meta_info`` its tokenizer
+manager builds (``managers/tokenizer_manager.py``), the scheduler's output
+streamer (``managers/scheduler_components/output_streamer.py``) and the DFLASH
+worker (``speculative/dflash_worker_v2.py: DFlashWorkerV2``). The GPU check
+scripts (``scripts/gpu_check_sglang*.sh``) confirm the parts a CPU cannot.
 
 Verify mode, one verify step of block m at anchor a (DESIGN.md section 3):
 
@@ -12,7 +15,9 @@ Verify mode, one verify step of block m at anchor a (DESIGN.md section 3):
   token; ``return_logprob`` with ``logprob_start_len = a`` and ``top_logprobs_num = k``;
   ``return_hidden_states`` when features are wanted (server flags
   ``--enable-return-hidden-states --enable-return-aux-hidden-states
-  --return-aux-hidden-state-layer-ids``).
+  --return-aux-hidden-state-layer-ids IDS --speculative-algorithm DFLASH``: 0.5.23
+  refuses aux capture unless an algorithm names the capture convention, and resets
+  the algorithm to none itself when no draft path is given).
 * response ``meta_info.input_token_logprobs[j]`` = [logprob, token id, text] of the
   input token at position a + j given the positions before it, so entry k (k >= 1)
   is log p(d_k | slot 0, d_<k): the teacher's draft log-prob. ``input_top_logprobs[k]``
@@ -24,8 +29,11 @@ Verify mode, one verify step of block m at anchor a (DESIGN.md section 3):
   so c <= a and the accepted positions a..a+r_m always come back.
 
 Native mode: a plain ``/generate`` to a server running DFLASH with the plugin of
-``specforge_opd.sglang.native``; ``meta_info.customized_info`` carries one entry per
-verify step (see ``NATIVE_STEP_FIELDS``), ``meta_info.spec_verify_ct`` the step count.
+``specforge_opd.sglang.native``. The plugin's per-verify-step values land at the
+top level of ``meta_info`` (the tokenizer manager sets ``meta_info[key]`` for each
+``customized_info`` key), one entry per verify step for each key of
+``NATIVE_STEP_FIELDS``; ``meta_info.spec_verify_ct`` is the step count, omitted
+by SGLang when a request finished without any verify step.
 
 Every parse function raises ``ContractError`` naming the field and the server version.
 """
@@ -42,8 +50,30 @@ import torch
 #: The SGLang release the contract was read from (older ones lack DFLASH or aux hidden states).
 MIN_SGLANG_VERSION = "0.5.23"
 
+#: SGLang's model code captures aux hidden states "before layer i" and adds this
+#: offset itself (``layers_to_capture = [k + 1 for k in layer_ids]`` in its qwen3,
+#: qwen3_moe and llama models), so layer id k comes back as the output of decoder
+#: layer k, HF ``hidden_states[k + 1]``. We pass our ids unchanged; the stand-in
+#: server applies the same offset so that a second shift on our side shows.
+SGLANG_CAPTURE_OFFSET = 1
+
 #: Keys the native plugin writes per verify step into ``customized_info``.
 NATIVE_STEP_FIELDS = ("opd_anchor", "opd_draft", "opd_accepted", "opd_draft_logprob")
+
+#: Sampling parameters that edit the verify logits in place before acceptance
+#: (``apply_dflash_verify_logits_adjustments``, the grammar mask): a request
+#: setting them would record an adjusted teacher, so native requests refuse them.
+LOGIT_EDITING_SAMPLING_PARAMS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "logit_bias": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "custom_params": None,
+}
 
 
 class ContractError(ValueError):
@@ -55,7 +85,7 @@ class ContractError(ValueError):
         ver = server_version or "unknown"
         super().__init__(
             f"SGLang response field `{field}`: {problem} (server version {ver}; the contract was read from "
-            f"SGLang >= {MIN_SGLANG_VERSION}, see specforge_opd/sglang/contract.py)"
+            f"SGLang {MIN_SGLANG_VERSION}, see specforge_opd/sglang/contract.py)"
         )
 
 
@@ -72,15 +102,52 @@ def version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def server_layer_ids(target_layer_ids: list[int]) -> list[int]:
-    """Ids to pass to ``--return-aux-hidden-state-layer-ids`` for our ``target_layer_ids``.
+def server_layer_ids(target_layer_ids: list[int], num_target_layers: Optional[int] = None) -> list[int]:
+    """Ids to pass to ``--return-aux-hidden-state-layer-ids`` for our ``target_layer_ids``: the same ids, each once.
 
-    Our layer k is the output of decoder layer k (HF ``hidden_states[k + 1]``);
-    SGLang's capture loop records the residual stream *before* layer i, so the
-    output of layer k is captured at i = k + 1 (SGLang PR #25454 discusses the same
-    offset for EAGLE3). The last decoder layer's output cannot be captured this way.
+    Our layer k is the output of decoder layer k (HF ``hidden_states[k + 1]``).
+    SGLang's DFLASH capture convention adds the +1 itself (``SGLANG_CAPTURE_OFFSET``),
+    so adding it here too would train on ``hidden_states[k + 2]`` with every
+    shape still fitting. SGLang refuses a repeated id, which small targets'
+    drafters can have (``[1, 1]``): the server captures each layer once, in
+    first-seen order, and ``feature_columns`` repeats the columns back.
+
+    Raises:
+        ValueError: a negative id, or, with ``num_target_layers``, the last decoder
+            layer: its output is never captured, because the capture runs before
+            layer k + 1, which does not exist.
     """
-    return [int(k) + 1 for k in target_layer_ids]
+    ids = list(dict.fromkeys(int(k) for k in target_layer_ids))
+    if any(k < 0 for k in ids):
+        raise ValueError(f"draft target_layer_ids {ids}: SGLang needs non-negative layer ids")
+    if num_target_layers is not None and any(k >= num_target_layers - 1 for k in ids):
+        raise ValueError(
+            f"draft target_layer_ids {ids}: SGLang captures the output of layer k before layer k+1, so the last "
+            f"layer ({num_target_layers - 1}) and beyond cannot be captured; choose ids below {num_target_layers - 1}"
+        )
+    return ids
+
+
+def feature_columns(target_layer_ids: list[int], hidden: int) -> Optional[torch.Tensor]:
+    """Columns of the server's features (``server_layer_ids`` order) that give ours, [n_layers * hidden] int64.
+
+    None when the ids have no repeats (the server's columns are ours).
+    """
+    ids = [int(k) for k in target_layer_ids]
+    uniq = server_layer_ids(ids)
+    if len(uniq) == len(ids):
+        return None
+    pos = {k: j for j, k in enumerate(uniq)}
+    return torch.cat([torch.arange(pos[k] * hidden, (pos[k] + 1) * hidden) for k in ids])
+
+
+def request_timeout_s(cfg, max_new_tokens: int) -> float:
+    """Per-request timeout: ``sglang.request_timeout_s`` plus ``sglang.timeout_per_token_s`` per new token.
+
+    A 4096-token native rollout decodes for minutes; a flat timeout sized for a
+    one-token verify step would time it out and retry it from scratch.
+    """
+    return float(cfg.request_timeout_s) + float(cfg.timeout_per_token_s) * max(0, int(max_new_tokens))
 
 
 # ---------------------------------------------------------------------------
@@ -117,17 +184,46 @@ def verify_request(seq_ids: list[int], drafts: list[int], *, top_k: int, want_hi
     }
 
 
-def native_request(prompt_ids: list[int], *, max_new_tokens: int, temperature: float, stop_token_ids: list[int]) -> dict:
-    """A native-mode request: SGLang decodes with DFLASH and the plugin reports every verify step."""
+def native_request(
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    stop_token_ids: list[int],
+    extra_sampling: Optional[dict] = None,
+) -> dict:
+    """A native-mode request: SGLang decodes with DFLASH and the plugin reports every verify step.
+
+    ``return_logprob`` is set on purpose: it keeps DFLASH's
+    ``_can_skip_verify_logits`` False, so the verify logits the plugin reads are
+    present and gathered over the whole vocabulary at any tensor-parallel size
+    (without it, greedy batches at TP > 1 keep only each rank's vocabulary shard
+    or drop the logits). The output log-probs it adds are one float per token.
+
+    Raises:
+        ValueError: ``extra_sampling`` sets a parameter that edits the verify logits
+            before acceptance (``LOGIT_EDITING_SAMPLING_PARAMS``): the teacher would be
+            the adjusted distribution, not the target's.
+    """
+    sp = {
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "stop_token_ids": [int(t) for t in stop_token_ids],
+    }
+    for k, v in (extra_sampling or {}).items():
+        if k in LOGIT_EDITING_SAMPLING_PARAMS and v != LOGIT_EDITING_SAMPLING_PARAMS[k]:
+            raise ValueError(
+                f"sampling parameter {k}={v!r}: SGLang applies it to the verify logits in place before acceptance, "
+                "so the recorded teacher would not be the target's distribution; native rollouts refuse it"
+            )
+        sp[k] = v
     return {
         "input_ids": [int(t) for t in prompt_ids],
-        "sampling_params": {
-            "max_new_tokens": int(max_new_tokens),
-            "temperature": float(temperature),
-            "stop_token_ids": [int(t) for t in stop_token_ids],
-        },
+        "sampling_params": sp,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
     }
-
 
 # ---------------------------------------------------------------------------
 # responses
@@ -280,9 +376,14 @@ def parse_generate_response(
     return out
 
 
+
 @dataclass
 class NativeStep:
-    """One verify step as the native plugin reports it (SGLang's own DFLASH decoding)."""
+    """One verify step as the native plugin reports it (SGLang's own DFLASH decoding).
+
+    ``draft_logprob`` is None when the plugin could not read unadjusted verify logits
+    for that step (see ``native.step_payloads``).
+    """
 
     anchor: int
     draft: list[int]
@@ -292,21 +393,34 @@ class NativeStep:
 
 @dataclass
 class NativeResponse:
+    """A checked native-mode response: the response tokens, one ``NativeStep`` per verify step.
+
+    ``num_retractions``: how often SGLang retracted the request under KV-cache
+    pressure; each retraction re-prefills it, which emits one token outside any
+    verify step (``native.record_from_native`` cuts the record there).
+    """
+
     output_ids: list[int]
     steps: list[NativeStep]
     finish_reason: Optional[str]
     spec_verify_ct: int
+    num_retractions: int = 0
 
 
 def parse_native_response(payload: Any, *, block_size: int, server_version: Optional[str] = None) -> NativeResponse:
-    """Check a native-mode response: ``output_ids`` and one ``customized_info`` entry per verify step.
+    """Check a native-mode response: ``output_ids`` and one entry per verify step under each plugin key.
 
-    ``meta_info.customized_info[key]`` is a list with one entry per verify step for
-    each key of ``NATIVE_STEP_FIELDS``; entries may arrive JSON-encoded (strings).
+    ``meta_info[key]`` for each key of ``NATIVE_STEP_FIELDS`` is a list with one
+    entry per verify step (entries may arrive JSON-encoded, as strings).
+    ``meta_info.spec_verify_ct`` is absent when the request finished without a
+    verify step (its first token a stop token, or ``max_new_tokens`` 1): zero steps.
 
     Raises:
-        ContractError: missing plugin fields (the server runs without the plugin),
-            lengths that disagree with ``spec_verify_ct``, drafts of the wrong width.
+        ContractError: missing plugin keys (the server runs without the plugin, or
+            its hooks failed to apply), fewer entries than ``spec_verify_ct`` (the
+            server flushed the response early and cut the values by token offset),
+            output tokens past the first with no verify step (no DFLASH), drafts of
+            the wrong width.
     """
     v = server_version
     if isinstance(payload, list) and len(payload) == 1:
@@ -315,46 +429,79 @@ def parse_native_response(payload: Any, *, block_size: int, server_version: Opti
     out_ids = payload.get("output_ids")
     if not isinstance(out_ids, list):
         raise ContractError("output_ids", "missing (start SGLang with --skip-tokenizer-init)", v)
-    n_steps = _int(meta, "spec_verify_ct", v)
-    ci = meta.get("customized_info")
-    if not isinstance(ci, dict):
+    n_steps = _int(meta, "spec_verify_ct", v, 0)
+    retractions = _int(meta, "num_retractions", v, 0)
+    if n_steps == 0 and len(out_ids) > 1 + retractions:
         raise ContractError(
-            "meta_info.customized_info",
-            "missing: the server does not run the specforge_opd native plugin (install specforge-opd in SGLang's "
-            "environment; SGLANG_PLUGINS must allow `specforge_opd_native`)",
+            "meta_info.spec_verify_ct",
+            f"absent or 0 with {len(out_ids)} output tokens: the server did not decode speculatively "
+            "(start it with --speculative-algorithm DFLASH --speculative-draft-model-path DIR)",
             v,
         )
     cols = {}
     for key in NATIVE_STEP_FIELDS:
-        col = ci.get(key)
-        if key == "opd_draft_logprob" and col is None:
-            cols[key] = [None] * n_steps
+        col = meta.get(key)
+        if n_steps == 0:
+            # a zero-step request batched with others may still carry empty or None-padded values
+            cols[key] = []
             continue
+        if col is None:
+            if key == "opd_draft_logprob":
+                cols[key] = [None] * n_steps
+                continue
+            raise ContractError(
+                f"meta_info.{key}",
+                f"missing with spec_verify_ct {n_steps}: the server does not run the specforge_opd native plugin "
+                "(install the plugin into SGLang's environment, allow `specforge_opd_native` in SGLANG_PLUGINS, and "
+                "look for 'Failed to apply hooks' in the server log)",
+                v,
+            )
         if not isinstance(col, list):
-            raise ContractError(f"meta_info.customized_info.{key}", f"missing or not a list (got {type(col).__name__})", v)
+            raise ContractError(f"meta_info.{key}", f"not a list (got {type(col).__name__})", v)
         col = [json.loads(x) if isinstance(x, str) else x for x in col]
         if len(col) != n_steps:
-            raise ContractError(f"meta_info.customized_info.{key}", f"{len(col)} entries != spec_verify_ct {n_steps}", v)
+            raise ContractError(
+                f"meta_info.{key}",
+                f"{len(col)} entries != spec_verify_ct {n_steps}: per-step values were cut when the server flushed "
+                "the response early (SGLANG_FORCE_STREAM_INTERVAL); the plugin marks its keys request-level so that "
+                "they arrive whole at the finish, check that its hook on SchedulerOutputStreamer applied",
+                v,
+            )
         cols[key] = col
     steps = []
     for i in range(n_steps):
         draft = cols["opd_draft"][i]
         if not isinstance(draft, list) or len(draft) != block_size - 1:
-            raise ContractError(f"meta_info.customized_info.opd_draft[{i}]", f"expected {block_size - 1} tokens (block_size - 1), got {draft!r}", v)
+            raise ContractError(f"meta_info.opd_draft[{i}]", f"expected {block_size - 1} tokens (block_size - 1), got {draft!r}", v)
         lp = cols["opd_draft_logprob"][i]
         if lp is not None and (not isinstance(lp, list) or len(lp) != block_size - 1 or not all(math.isfinite(float(x)) for x in lp)):
-            raise ContractError(f"meta_info.customized_info.opd_draft_logprob[{i}]", f"expected {block_size - 1} finite floats, got {lp!r}", v)
+            raise ContractError(f"meta_info.opd_draft_logprob[{i}]", f"expected {block_size - 1} finite floats or null, got {lp!r}", v)
         acc = cols["opd_accepted"][i]
-        if not isinstance(acc, int) or not 0 <= acc <= block_size - 1:
-            raise ContractError(f"meta_info.customized_info.opd_accepted[{i}]", f"expected an integer in 0..{block_size - 1}, got {acc!r}", v)
-        steps.append(NativeStep(int(cols["opd_anchor"][i]), [int(t) for t in draft], acc, None if lp is None else [float(x) for x in lp]))
+        if not isinstance(acc, int) or isinstance(acc, bool) or not 0 <= acc <= block_size - 1:
+            raise ContractError(f"meta_info.opd_accepted[{i}]", f"expected an integer in 0..{block_size - 1}, got {acc!r}", v)
+        anchor = cols["opd_anchor"][i]
+        if not isinstance(anchor, int) or isinstance(anchor, bool) or anchor < 0:
+            raise ContractError(f"meta_info.opd_anchor[{i}]", f"expected a non-negative integer, got {anchor!r}", v)
+        steps.append(NativeStep(anchor, [int(t) for t in draft], acc, None if lp is None else [float(x) for x in lp]))
     fr = meta.get("finish_reason")
     reason = fr.get("type") if isinstance(fr, dict) else (fr if isinstance(fr, str) else None)
-    return NativeResponse([int(t) for t in out_ids], steps, reason, n_steps)
+    return NativeResponse([int(t) for t in out_ids], steps, reason, n_steps, retractions)
 
 
 def parse_server_info(payload: Any) -> str:
-    """The server version from ``/get_server_info`` (``version``); "unknown" when absent."""
+    """The server version from ``/server_info`` (``version``); "unknown" when absent."""
     if isinstance(payload, dict) and isinstance(payload.get("version"), str):
         return payload["version"]
     return "unknown"
+
+
+def parse_pool_tokens(payload: Any) -> Optional[int]:
+    """The KV pool size in tokens from ``/server_info`` (``max_total_num_tokens``, scheduler info); None when absent."""
+    if not isinstance(payload, dict):
+        return None
+    for src in (payload, *(payload.get("internal_states") or [])):
+        if isinstance(src, dict):
+            n = src.get("max_total_num_tokens")
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                return n
+    return None

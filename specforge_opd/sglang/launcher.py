@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from ..config import SGLangConfig
-from .contract import MIN_SGLANG_VERSION, parse_server_info, server_layer_ids, version_tuple
+from .contract import MIN_SGLANG_VERSION, parse_pool_tokens, parse_server_info, server_layer_ids, version_tuple
 
 Mode = Literal["verify", "native", "plain"]
 
@@ -50,24 +50,34 @@ def server_args(
     draft_path: Optional[str] = None,
     block_size: Optional[int] = None,
     dtype: Optional[str] = None,
+    num_target_layers: Optional[int] = None,
 ) -> list[str]:
-    """The SGLang command-line arguments for ``mode``.
+    """The SGLang command-line arguments for ``mode`` (every flag exists in 0.5.23: tests/test_sglang_contract.py).
 
     verify: hidden states of the DFlash layers (``--enable-return-aux-hidden-states``
-    with ``--return-aux-hidden-state-layer-ids``, see ``contract.server_layer_ids``);
+    with ``--return-aux-hidden-state-layer-ids``, our ids unchanged, see
+    ``contract.server_layer_ids``) and ``--speculative-algorithm DFLASH`` without a
+    draft path: 0.5.23 refuses aux capture unless an algorithm names the capture
+    convention, then resets the algorithm to none itself, so no draft runs.
     native: ``--speculative-algorithm DFLASH --speculative-draft-model-path DIR
-    --speculative-num-draft-tokens block_size``; plain: the target alone (benchmark baseline).
+    --speculative-num-draft-tokens block_size --disable-overlap-schedule``; plain:
+    the target alone (benchmark baseline). ``sglang.max_total_tokens`` None leaves
+    the pool to SGLang's sizing from the GPU; ``sglang.mem_fraction_static`` sets
+    the server's share of the GPU.
 
     Raises:
-        ValueError: a field the mode needs is missing (named).
+        ValueError: a field the mode needs is missing, or a layer id SGLang cannot capture (named).
     """
     args = [
         "--model-path", str(model_path),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--max-total-tokens", str(cfg.max_total_tokens),
         "--skip-tokenizer-init",
     ]
+    if cfg.max_total_tokens is not None:
+        args += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if cfg.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     if dtype is not None:
         args += ["--dtype", {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[dtype]]
     if mode == "verify":
@@ -77,7 +87,9 @@ def server_args(
             "--enable-return-hidden-states",
             "--enable-return-aux-hidden-states",
             "--return-aux-hidden-state-layer-ids",
-            *[str(i) for i in server_layer_ids(target_layer_ids)],
+            *[str(i) for i in server_layer_ids(target_layer_ids, num_target_layers)],
+            # names the capture convention only (SGLang resets it: no draft path)
+            "--speculative-algorithm", "DFLASH",
         ]
     elif mode == "native":
         if draft_path is None or block_size is None:
@@ -86,10 +98,74 @@ def server_args(
             "--speculative-algorithm", "DFLASH",
             "--speculative-draft-model-path", str(draft_path),
             "--speculative-num-draft-tokens", str(block_size),
-            # the native plugin hooks the synchronous (spec-v1) DFLASH verify
+            # the plugin synchronises once per verify step to read its values, so
+            # overlap would gain nothing; its anchor reading is overlap-safe anyway
             "--disable-overlap-schedule",
         ]
     return args + list(cfg.extra_args)
+
+
+#: Large enough that ``len(output_ids) % interval == 0`` never holds: a non-streaming
+#: response is then sent once, at its finish (the plugin's request-level keys make
+#: this a second guard, not the only one).
+NO_EARLY_FLUSH = str(1 << 30)
+
+#: Lines SGLang logs (and serves on) when our plugin or one of its hooks failed.
+PLUGIN_FAILURE_MARKERS = (
+    "Failed to load plugin specforge_opd_native",
+    "Failed to execute general plugin: specforge_opd_native",
+    "Failed to apply hooks to sglang.srt.speculative.dflash_worker_v2",
+    "Failed to apply hooks to sglang.srt.managers.scheduler_components.output_streamer",
+)
+
+
+def rank_gpu_env(environ: Optional[dict] = None) -> dict:
+    """``CUDA_VISIBLE_DEVICES`` for the server a torchrun rank launches: its own GPU.
+
+    Rank ``LOCAL_RANK`` gets entry LOCAL_RANK of the visible devices (all GPUs when
+    ``CUDA_VISIBLE_DEVICES`` is unset), the GPU its trainer process uses, so that
+    the servers of one machine do not all start on GPU 0. Empty outside torchrun.
+
+    Raises:
+        ValueError: LOCAL_RANK beyond the visible devices (names both).
+    """
+    env = os.environ if environ is None else environ
+    if "LOCAL_RANK" not in env:
+        return {}
+    local = int(env["LOCAL_RANK"])
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return {"CUDA_VISIBLE_DEVICES": str(local)}
+    ids = [x.strip() for x in visible.split(",") if x.strip()]
+    if local >= len(ids):
+        raise ValueError(f"LOCAL_RANK={local} but CUDA_VISIBLE_DEVICES={visible} lists {len(ids)} devices: one GPU per rank is needed")
+    return {"CUDA_VISIBLE_DEVICES": ids[local]}
+
+
+def mode_env(mode: Mode) -> dict:
+    """Environment a launched server of ``mode`` needs besides the GPU (native: no early flush, our plugin allowed)."""
+    if mode != "native":
+        return {}
+    env = {"SGLANG_FORCE_STREAM_INTERVAL": NO_EARLY_FLUSH}
+    allowed = os.environ.get("SGLANG_PLUGINS", "")
+    if allowed and "specforge_opd_native" not in allowed.split(","):
+        env["SGLANG_PLUGINS"] = allowed + ",specforge_opd_native"
+    return env
+
+
+def check_plugin_log(log_path: Optional[Path], since: int = 0) -> None:
+    """Raise ``ServerError`` when the server log (from byte ``since``) shows our plugin failed to load or hook."""
+    if log_path is None or not Path(log_path).is_file():
+        return
+    with open(log_path, "rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    for marker in PLUGIN_FAILURE_MARKERS:
+        if marker in text:
+            raise ServerError(
+                f"SGLang logged '{marker}...': the native plugin is not active, so no verify step would be recorded; "
+                f"fix the plugin install in SGLang's environment (docs/sglang.md){_tail(log_path)}"
+            )
 
 
 def _get_json(url: str, timeout: float) -> Optional[dict]:
@@ -99,6 +175,12 @@ def _get_json(url: str, timeout: float) -> Optional[dict]:
             return json.loads(body) if body else {}
     except (urllib.error.URLError, OSError, ValueError):
         return None
+
+
+def server_info(url: str) -> Optional[dict]:
+    """``GET /server_info`` (0.5.23; ``/get_server_info`` is its deprecated alias, tried second)."""
+    base = url.rstrip("/")
+    return _get_json(base + "/server_info", 10.0) or _get_json(base + "/get_server_info", 10.0)
 
 
 def wait_healthy(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None, log_path: Optional[Path] = None) -> None:
@@ -138,16 +220,21 @@ class SGLangServer:
     share its process group, which ``stop()`` signals by the PID we started.
     """
 
-    def __init__(self, cfg: SGLangConfig, args_fn, *, log_path: str | os.PathLike, env: Optional[dict] = None):
-        """``args_fn(port) -> list[str]`` builds the arguments (see ``server_args``)."""
+    def __init__(self, cfg: SGLangConfig, args_fn, *, log_path: str | os.PathLike, env: Optional[dict] = None,
+                 require_plugin: bool = False):
+        """``args_fn(port) -> list[str]`` builds the arguments (see ``server_args``); ``require_plugin``:
+        fail the start when the log shows the native plugin did not load or hook (``check_plugin_log``)."""
         self.cfg = cfg
         self.args_fn = args_fn
         self.port = cfg.port or find_free_port()
         self.log_path = Path(log_path)
         self.env = env
+        self.require_plugin = require_plugin
         self.proc: Optional[subprocess.Popen] = None
         self.restarts = 0
         self.version = "unknown"
+        #: KV pool in tokens as the server reports it (None: not reported)
+        self.pool_tokens: Optional[int] = None
         self._atexit = False
 
     @property
@@ -162,6 +249,7 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         log = open(self.log_path, "ab")
+        log_start = log.tell()
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {shlex.join(cmd)}\n".encode())
         log.flush()
         env = dict(os.environ)
@@ -173,11 +261,14 @@ class SGLangServer:
             self._atexit = True
         try:
             wait_healthy(self.url, self.cfg.startup_timeout_s, self.proc, self.log_path)
+            if self.require_plugin:
+                check_plugin_log(self.log_path, log_start)
         except BaseException:
             self.stop()
             raise
-        info = _get_json(self.url + "/get_server_info", 10.0)
+        info = server_info(self.url)
         self.version = parse_server_info(info)
+        self.pool_tokens = parse_pool_tokens(info) or self.cfg.max_total_tokens
         return self
 
     def alive(self) -> bool:
@@ -228,25 +319,32 @@ class Endpoints:
     a connection failure and answers whether retrying that server makes sense.
     """
 
-    def __init__(self, urls: list[str], servers: Optional[list[SGLangServer]] = None, version: str = "unknown"):
+    def __init__(self, urls: list[str], servers: Optional[list[SGLangServer]] = None, version: str = "unknown",
+                 pool_tokens: Optional[list[Optional[int]]] = None):
         if not urls:
             raise ValueError("no SGLang server: set sglang.urls or let the launcher start one")
         self.urls = [u.rstrip("/") for u in urls]
         self.servers = servers
         self.version = version
+        #: per URL, the KV pool in tokens (None: unknown, no token bound)
+        self.pool_tokens = list(pool_tokens) if pool_tokens is not None else [None] * len(self.urls)
 
     @classmethod
     def connect(cls, urls: list[str], timeout_s: float = 30.0) -> "Endpoints":
-        """Wait for each given URL's ``/health`` and read its version."""
+        """Wait for each given URL's ``/health`` and read its version and KV pool size."""
         version = "unknown"
+        pools = []
         for u in urls:
             wait_healthy(u, timeout_s)
-            version = parse_server_info(_get_json(u.rstrip("/") + "/get_server_info", 10.0))
-        return cls(urls, None, version)
+            info = server_info(u)
+            version = parse_server_info(info)
+            pools.append(parse_pool_tokens(info))
+        return cls(urls, None, version, pools)
 
     @classmethod
     def launched(cls, servers: list[SGLangServer]) -> "Endpoints":
-        return cls([s.url for s in servers], servers, servers[0].version if servers else "unknown")
+        return cls([s.url for s in servers], servers, servers[0].version if servers else "unknown",
+                   [s.pool_tokens for s in servers])
 
     def url(self, i: int) -> str:
         return self.urls[i % len(self.urls)]
@@ -265,6 +363,7 @@ class Endpoints:
         ok = s.ensure_running()
         if ok:
             self.version = s.version
+            self.pool_tokens[i % len(self.servers)] = s.pool_tokens
         return ok
 
     def version_warning(self) -> Optional[str]:

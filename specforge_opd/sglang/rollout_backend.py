@@ -4,6 +4,13 @@ Connects to ``sglang.urls`` or launches one server for the configured target,
 then rolls out the prompts not yet in the shard directory, one shard per group
 (``rollout.sequences_per_shard``): a server that dies mid-rollout is restarted
 once by the launcher, and a rerun resumes from the shards already written.
+
+GPU memory: a launched server loads its own copy of the target, so the
+in-process target leaves the GPU for the rollout (``sglang.offload_target``;
+verify mode keeps the embedding and lm_head, which the drafter uses) and comes
+back for training; ``sglang.mem_fraction_static`` sets the server's share of
+what is left. Under torchrun each rank's server gets the rank's own GPU
+(``launcher.rank_gpu_env``).
 """
 
 from __future__ import annotations
@@ -11,25 +18,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Iterable
+
+import torch
 
 from ..config import ExperimentConfig
-from .launcher import Endpoints, SGLangServer, server_args
+from .launcher import Endpoints, SGLangServer, mode_env, rank_gpu_env, server_args
 
 
 @contextlib.contextmanager
 def endpoints_for(cfg: ExperimentConfig, *, mode: str, model_path: str, layer_ids: list[int], block_size: int,
-                  draft_path: str | None, log_dir: Path):
-    """``Endpoints`` over ``sglang.urls``, or over a server launched (and stopped) here."""
+                  draft_path: str | None, log_dir: Path, num_target_layers: int | None = None):
+    """``Endpoints`` over ``sglang.urls``, or over a server launched (and stopped) here on this rank's GPU."""
     if cfg.sglang.urls:
         yield Endpoints.connect(cfg.sglang.urls, timeout_s=cfg.sglang.startup_timeout_s)
         return
 
     def args(port):
         return server_args(cfg.sglang, model_path=model_path, port=port, mode=mode, target_layer_ids=layer_ids,
-                           draft_path=draft_path, block_size=block_size, dtype=cfg.target.dtype)
+                           draft_path=draft_path, block_size=block_size, dtype=cfg.target.dtype,
+                           num_target_layers=num_target_layers)
 
-    with SGLangServer(cfg.sglang, args, log_path=log_dir / f"sglang-{mode}.log") as server:
+    env = {**rank_gpu_env(), **mode_env(mode)}
+    with SGLangServer(cfg.sglang, args, log_path=log_dir / f"sglang-{mode}.log", env=env,
+                      require_plugin=mode == "native") as server:
         yield Endpoints.launched([server])
+
+
+@contextlib.contextmanager
+def target_off_gpu(model: torch.nn.Module, keep: Iterable[torch.nn.Module] = (), enabled: bool = True):
+    """Move ``model`` to the CPU for the duration, except the modules in ``keep``; then back.
+
+    A no-op for a model not on a CUDA device. Tied weights stay tied (a kept
+    module's parameters move back with it).
+    """
+    dev = next(model.parameters()).device
+    if not enabled or dev.type != "cuda":
+        yield
+        return
+    model.to("cpu")
+    for m in keep:
+        m.to(dev)
+    torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        model.to(dev)
 
 
 def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[str, list[int]]], writer, *,
@@ -52,17 +86,22 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
     done = written_sample_ids(writer.dir)
     todo = [p for p in prompts if p[0] not in done]
     mode = "verify" if rc.backend == "sglang_verify" else "native"
-    with endpoints_for(cfg, mode=mode, model_path=str(bundle.path), layer_ids=layer_ids, block_size=bs,
-                       draft_path=draft_path, log_dir=out_dir) as ep:
+    if mode == "verify":
+        check_verify_settings(rc.temperature, rc.teacher, cfg.training.feature_source)
+    model = bundle.model
+    tconf = getattr(model.config, "text_config", model.config)
+    keep = (model.get_input_embeddings(), model.get_output_embeddings()) if mode == "verify" else ()
+    with target_off_gpu(model, keep, enabled=cfg.sglang.offload_target), endpoints_for(
+        cfg, mode=mode, model_path=str(bundle.path), layer_ids=layer_ids, block_size=bs, draft_path=draft_path,
+        log_dir=out_dir, num_target_layers=int(tconf.num_hidden_layers),
+    ) as ep:
         if mode == "verify":
-            check_verify_settings(rc.temperature, rc.teacher, cfg.training.feature_source)
-            model = bundle.model
             d = Drafter(drafter, model.get_input_embeddings(), model.get_output_embeddings())
-            hidden = int(getattr(model.config, "text_config", model.config).hidden_size)
             return verify_rollout_to_shards(
                 ep, d, todo, sglang_cfg=cfg.sglang, sequences_per_shard=rc.sequences_per_shard, write_shard=writer.write,
                 max_new_tokens=rc.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids), teacher=rc.teacher,
-                teacher_topk=rc.teacher_topk, feature_dim=len(layer_ids) * hidden, drafter_step=drafter_step,
+                teacher_topk=rc.teacher_topk, feature_dim=len(layer_ids) * int(tconf.hidden_size), drafter_step=drafter_step,
+                layer_ids=layer_ids,
             )
         n = 0
         for i in range(0, len(todo), rc.sequences_per_shard):

@@ -20,7 +20,14 @@ import torch
 
 from ..config import SGLangConfig
 from ..records import RolloutRecord
-from .contract import ContractError, parse_generate_response, prefill_request, verify_request
+from .contract import (
+    ContractError,
+    feature_columns,
+    parse_generate_response,
+    prefill_request,
+    server_layer_ids,
+    verify_request,
+)
 from .launcher import Endpoints, ServerError
 from .speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence
 
@@ -50,8 +57,11 @@ class HTTPClient:
         if self._session is not None:
             await self._session.close()
 
-    async def post(self, server: int, path: str, body: dict) -> dict:
+    async def post(self, server: int, path: str, body: dict, timeout_s: Optional[float] = None) -> dict:
         """POST ``body`` to server ``server`` (round-robin index); returns the decoded JSON.
+
+        ``timeout_s`` overrides ``sglang.request_timeout_s`` for this request (long
+        generations: ``contract.request_timeout_s``).
 
         Raises:
             ServerError: retries exhausted, or the launched server died twice.
@@ -63,7 +73,8 @@ class HTTPClient:
         for attempt in range(self.cfg.max_retries + 1):
             url = self.endpoints.url(server) + path
             try:
-                async with self._session.post(url, json=body) as resp:
+                kw = {} if timeout_s is None else {"timeout": aiohttp.ClientTimeout(total=float(timeout_s))}
+                async with self._session.post(url, json=body, **kw) as resp:
                     text = await resp.text()
                     if resp.status in _RETRY_STATUS:
                         raise TransientError(f"HTTP {resp.status}: {text[:200]}")
@@ -89,18 +100,25 @@ class HTTPClient:
                 delay *= 2
         raise ServerError(
             f"SGLang server {self.endpoints.url(server)}: {self.cfg.max_retries + 1} attempts failed "
-            f"(last: {type(last).__name__}: {last}); raise sglang.request_timeout_s or sglang.max_retries"
+            f"(last: {type(last).__name__}: {last}); raise sglang.request_timeout_s (or timeout_per_token_s) or sglang.max_retries"
         )
 
 
 class HTTPTarget:
     """The target side of ``speculate_sequence`` over SGLang's ``/generate`` (see ``contract``)."""
 
-    def __init__(self, client: HTTPClient, server: int, *, top_k: int, feature_dim: Optional[int]):
+    def __init__(self, client: HTTPClient, server: int, *, top_k: int, feature_dim: Optional[int],
+                 columns: Optional[torch.Tensor] = None):
+        """``feature_dim``: width of the server's feature rows; ``columns``: the columns that give the
+        drafter's (``contract.feature_columns``, for repeated layer ids), None to keep them all."""
         self.client = client
         self.server = server
         self.top_k = max(1, int(top_k))
         self.feature_dim = feature_dim
+        self.columns = columns
+
+    def _ours(self, rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return rows if rows is None or self.columns is None else rows[:, self.columns]
 
     async def prefill(self, prompt_ids: list[int]) -> PrefillResult:
         body = prefill_request(prompt_ids, want_hidden=self.feature_dim is not None)
@@ -111,7 +129,7 @@ class HTTPTarget:
         )
         if r.hidden_rows is not None and r.cached_tokens:
             raise ContractError("meta_info.cached_tokens", f"{r.cached_tokens} on a prefill with logprob_start_len=0", self.client.endpoints.version)
-        return PrefillResult(r.output_id, r.hidden_rows)
+        return PrefillResult(r.output_id, self._ours(r.hidden_rows))
 
     async def verify(self, seq_ids: list[int], drafts: list[int]) -> VerifyResult:
         a = len(seq_ids) - 1
@@ -127,7 +145,7 @@ class HTTPTarget:
         rows = None
         if r.hidden_rows is not None:
             # rows start at the first uncached position c <= a; keep positions a..n-1
-            rows = r.hidden_rows[a - r.cached_tokens :]
+            rows = self._ours(r.hidden_rows[a - r.cached_tokens :])
         return VerifyResult(
             predicted=predicted.long(),
             draft_logprob=r.token_logprobs[1:],
@@ -150,11 +168,22 @@ async def verify_rollout_async(
     feature_dim: int,
     drafter_step: int = 0,
     progress: Optional[Callable[[int], None]] = None,
+    layer_ids: Optional[list[int]] = None,
 ) -> list[RolloutRecord]:
-    """Roll out ``prompts`` [(sample_id, prompt ids)] concurrently; records in prompt order."""
+    """Roll out ``prompts`` [(sample_id, prompt ids)] concurrently; records in prompt order.
+
+    ``feature_dim`` = len(layer_ids) * hidden, the drafter's feature width; with
+    ``layer_ids`` (the drafter's, as passed to ``launcher.server_args``) repeated
+    ids are captured once by the server and repeated here.
+    """
+    columns, server_dim = None, feature_dim
+    if layer_ids:
+        hidden = feature_dim // len(layer_ids)
+        columns = feature_columns(layer_ids, hidden)
+        server_dim = len(server_layer_ids(layer_ids)) * hidden
 
     async def one(client, i: int, sid: str, ids: list[int]) -> RolloutRecord:
-        target = HTTPTarget(client, i, top_k=teacher_topk, feature_dim=feature_dim)
+        target = HTTPTarget(client, i, top_k=teacher_topk, feature_dim=server_dim, columns=columns)
         return await speculate_sequence(
             target, drafter, ids, sample_id=sid, max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids, teacher=teacher, store_features=True, drafter_step=drafter_step,
@@ -163,15 +192,63 @@ async def verify_rollout_async(
     return await for_each_prompt(endpoints, sglang_cfg, prompts, one, progress)
 
 
-async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tuple[str, list[int]]], fn, progress=None) -> list:
-    """``await fn(client, i, sample_id, prompt_ids)`` for every prompt, at most ``sglang.max_in_flight``
-    at once over one ``HTTPClient``; results in prompt order. Shared by verify and native mode."""
+class TokenBudget:
+    """A weighted semaphore over a server's KV pool: ``acquire(n)`` waits until n tokens are free."""
+
+    def __init__(self, total: int):
+        self.total = int(total)
+        self.free = int(total)
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.free += n
+            self._cond.notify_all()
+
+
+async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tuple[str, list[int]]], fn, progress=None, *,
+                          token_cost: Optional[Callable[[list[int]], int]] = None) -> list:
+    """``await fn(client, i, sample_id, prompt_ids)`` for every prompt; results in prompt order.
+
+    At most ``sglang.max_in_flight`` calls run at once over one ``HTTPClient``. With
+    ``token_cost`` (KV-pool tokens a prompt's request may hold) and a known pool per
+    server (``endpoints.pool_tokens``), the requests on server ``i % n`` also hold at
+    most that pool's tokens together. Shared by verify and native mode.
+
+    Raises:
+        ValueError: one request needs more tokens than its server's pool (names the fields).
+    """
     sem = asyncio.Semaphore(sglang_cfg.max_in_flight)
+    n = len(endpoints.urls)
+    pools = list(getattr(endpoints, "pool_tokens", None) or [None] * n)
+    budgets = [TokenBudget(p) if (token_cost is not None and p) else None for p in pools]
+    if token_cost is not None:
+        for i, (sid, ids) in enumerate(prompts):
+            b = budgets[i % n]
+            if b is not None and token_cost(ids) > b.total:
+                raise ValueError(
+                    f"{sid}: one request needs {token_cost(ids)} KV tokens (prompt {len(ids)} + rollout.max_new_tokens + two "
+                    f"blocks) but server {endpoints.url(i)} holds {b.total}; raise sglang.max_total_tokens or lower "
+                    "rollout.max_new_tokens"
+                )
     async with HTTPClient(endpoints, sglang_cfg) as client:
 
         async def one(i: int, sid: str, ids: list[int]):
+            b = budgets[i % n]
+            cost = token_cost(ids) if b is not None else 0
             async with sem:
-                out = await fn(client, i, sid, ids)
+                if b is not None:
+                    await b.acquire(cost)
+                try:
+                    out = await fn(client, i, sid, ids)
+                finally:
+                    if b is not None:
+                        await b.release(cost)
                 if progress is not None:
                     progress(1)
                 return out
