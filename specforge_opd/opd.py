@@ -51,6 +51,23 @@ def _rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def bind_rank_device(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Pin this torchrun rank to its own GPU before anything touches CUDA.
+
+    ``torch.cuda.set_device(LOCAL_RANK)`` first (NCCL's init and barriers, and
+    every bare ``"cuda"`` tensor, then use the rank's GPU instead of GPU 0), and
+    ``target.device`` "auto"/"cuda" becomes ``cuda:LOCAL_RANK``. Returns ``cfg``
+    unchanged outside torchrun, without CUDA, or for an explicit device.
+    """
+    if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available() or cfg.target.device not in ("auto", "cuda"):
+        return cfg
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    cfg = cfg.model_copy(deep=True)
+    cfg.target.device = f"cuda:{local}"
+    return cfg
+
+
 def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
     """(hidden size, target layers, drafter layers captured) without loading weights."""
     from transformers import AutoConfig
@@ -198,6 +215,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     from .target import load_target
     from .trainer import distill
 
+    cfg = bind_rank_device(cfg)
     rank, world = _rank_world()
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -338,42 +338,49 @@ def hf_generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_to
 
 
 def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
-                    temperature: float, seed: int, timeout_s: float) -> list[list[int]]:
+                    temperature: float, seed: int, timeout_s: float, max_in_flight: int = 32,
+                    timeout_per_token_s: float = 0.05, max_retries: int = 2) -> list[list[int]]:
     """Target decoding through SGLang's native ``/generate`` (``input_ids`` in, ``output_ids`` out).
 
-    Prompts go round-robin over ``urls``, one batched request per server.
+    One request per prompt, at most ``max_in_flight`` in flight at once (SGLang
+    batches the requests it holds by itself), spread round-robin over ``urls``.
+    A request may take ``timeout_s + timeout_per_token_s * max_new_tokens``
+    seconds; a transient failure (connection error, timeout, HTTP 5xx/429) is
+    retried ``max_retries`` times with backoff, so one slow prompt no longer
+    fails the whole set. Returns the new tokens of each prompt, in prompt order.
 
     Raises:
-        SFTError: no URL configured, a server unreachable, or a reply without ``output_ids``.
+        SFTError: no URL configured, a server unreachable after the retries, or a
+            reply without ``output_ids``.
     """
-    import urllib.error
-    import urllib.request
+    import asyncio
+
+    from .config import SGLangConfig
+    from .sglang.contract import ContractError, request_timeout_s
+    from .sglang.launcher import Endpoints, ServerError
+    from .sglang.verify_client import for_each_prompt
 
     if not urls:
         raise SFTError("rollout.backend is sglang but sglang.urls is empty; start a server and list its URL")
-    groups: dict[int, list[int]] = {}
-    for i in range(len(prompts)):
-        groups.setdefault(i % len(urls), []).append(i)
-    results: list[Optional[list[int]]] = [None] * len(prompts)
-    for u, idx in groups.items():
-        body = {
-            "input_ids": [prompts[i] for i in idx],
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                                "stop_token_ids": list(stop_token_ids), "sampling_seed": seed},
-        }
-        req = urllib.request.Request(urls[u].rstrip("/") + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                reply = json.loads(r.read())
-        except (urllib.error.URLError, OSError) as e:
-            raise SFTError(f"SGLang server {urls[u]} /generate failed: {e}") from e
-        reply = reply if isinstance(reply, list) else [reply]
-        for i, rep in zip(idx, reply):
-            if "output_ids" not in rep:
-                raise SFTError(f"SGLang server {urls[u]} replied without output_ids (keys {sorted(rep)})")
-            results[i] = list(rep["output_ids"])
-    return results  # type: ignore[return-value]
+    cfg = SGLangConfig(urls=list(urls), request_timeout_s=timeout_s, timeout_per_token_s=timeout_per_token_s,
+                       max_in_flight=max_in_flight, max_retries=max_retries)
+    timeout = request_timeout_s(cfg, max_new_tokens)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                "stop_token_ids": list(stop_token_ids), "sampling_seed": seed}
+
+    async def one(client, i: int, _sid: str, ids: list[int]) -> list[int]:
+        reply = await client.post(i, "/generate", {"input_ids": ids, "sampling_params": sampling}, timeout_s=timeout)
+        if isinstance(reply, list) and len(reply) == 1:
+            reply = reply[0]
+        if not isinstance(reply, dict) or "output_ids" not in reply:
+            keys = sorted(reply) if isinstance(reply, dict) else type(reply).__name__
+            raise SFTError(f"SGLang server {client.endpoints.url(i)} replied without output_ids (keys {keys})")
+        return [int(t) for t in reply["output_ids"]]
+
+    try:
+        return asyncio.run(for_each_prompt(Endpoints(list(urls)), cfg, [(str(i), list(p)) for i, p in enumerate(prompts)], one))
+    except (ServerError, ContractError) as e:
+        raise SFTError(f"SGLang /generate failed: {e}") from e
 
 
 def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, seed: int,

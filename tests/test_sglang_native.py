@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specforge_opd.config import SGLangConfig
-from specforge_opd.sglang.contract import ContractError, NativeStep, parse_native_response
-from specforge_opd.sglang.launcher import Endpoints
+from specforge_opd.sglang import native
+from specforge_opd.sglang.contract import ContractError, NativeStep, native_request, parse_native_response
+from specforge_opd.sglang.launcher import Endpoints, ServerError
 from specforge_opd.sglang.native import (
     customized_info_of,
     draft_logprobs,
@@ -22,6 +23,7 @@ from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_seque
 from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
 
 from conftest import make_tiny_drafter, make_tiny_target
+from sglang_helpers import OracleDrafter
 
 BS = 4
 
@@ -150,3 +152,121 @@ def test_native_loop_against_standin_matches_in_process_rollout():
         assert torch.equal(rec.input_ids, ref.input_ids)
         assert torch.equal(rec.anchors, ref.anchors) and torch.equal(rec.drafts, ref.drafts) and torch.equal(rec.accepted, ref.accepted)
         assert torch.allclose(rec.teacher_draft_logprob, ref.teacher_draft_logprob, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# the 0.5.23 behaviours the stand-in reproduces, end to end
+
+LAYERS = [0, 2]
+
+
+def _native(backend, prompts, *, max_new=12, stops=(1,), teacher="token", cfg=None, urls=None):
+    cfg = cfg or SGLangConfig(request_timeout_s=30, max_retries=0, backoff_s=0.05)
+    with ThreadedStandin(make_app(backend, native=True)) as srv:
+        ep = Endpoints.connect([srv.url]) if urls is None else urls(srv)
+        recs = asyncio.run(native_rollout_async(ep, prompts, sglang_cfg=cfg, block_size=BS, max_new_tokens=max_new,
+                                                stop_token_ids=list(stops), teacher=teacher))
+        return recs, srv.max_in_flight
+
+
+def _reference(target, drafter, prompts, max_new=12, stops=(1,)):
+    local = LocalTarget(target, LAYERS, top_k=1)
+    return [asyncio.run(speculate_sequence(local, drafter, ids, sample_id=sid, max_new_tokens=max_new, stop_token_ids=list(stops),
+                                           teacher="token", store_features=True)) for sid, ids in prompts]
+
+
+PROMPTS = [("p0", [5, 17, 33, 8]), ("p1", [40, 41, 42]), ("p2", [7, 9, 11, 13, 15, 3])]
+
+
+def test_native_values_survive_early_flushes():
+    """0.5.23 flushes a non-streaming response whenever len(output_ids) % SGLANG_FORCE_STREAM_INTERVAL == 0 and
+    slices per-step values by output-token offset; the plugin's keys are request-level, so every step arrives.
+    Without that marking the client names the cut instead of writing a record with lost steps."""
+    target = make_tiny_target()
+    oracle = OracleDrafter(target, BS, seed=2)
+    backend = StandinBackend(target, drafter=oracle, block_size=BS, force_stream_interval=3)
+    recs, _ = _native(backend, PROMPTS, max_new=24)
+    assert backend.early_flushes > 0
+    ref = _reference(target, OracleDrafter(target, BS, seed=2), PROMPTS, max_new=24)
+    seen = set()
+    for rec, r in zip(recs, ref):
+        assert torch.equal(rec.input_ids, r.input_ids)
+        assert torch.equal(rec.anchors, r.anchors) and torch.equal(rec.drafts, r.drafts) and torch.equal(rec.accepted, r.accepted)
+        assert torch.allclose(rec.teacher_draft_logprob, r.teacher_draft_logprob, atol=1e-4)
+        seen.update(rec.accepted.tolist())
+    assert len(seen) >= 3, seen
+    cut = StandinBackend(target, drafter=OracleDrafter(target, BS, seed=2), block_size=BS, force_stream_interval=3,
+                         request_level=lambda key: False)
+    with pytest.raises(ContractError, match="SGLANG_FORCE_STREAM_INTERVAL"):
+        _native(cut, PROMPTS, max_new=24)
+
+
+def test_native_zero_verify_steps():
+    """A request that ends at its prefill token (max_new_tokens 1, or a stop token first) has no verify step:
+    SGLang omits spec_verify_ct and the plugin's keys; the record has no blocks."""
+    target = make_tiny_target()
+    backend = StandinBackend(target, drafter=OracleDrafter(target, BS), block_size=BS)
+    recs, _ = _native(backend, PROMPTS, max_new=1)
+    for rec, (_, ids) in zip(recs, PROMPTS):
+        assert rec.num_blocks == 0 and rec.input_ids.numel() == len(ids) + 1
+    first = int(target(torch.tensor([PROMPTS[0][1]])).logits[0, -1].argmax())
+    recs, _ = _native(backend, PROMPTS[:1], max_new=8, stops=[first])
+    assert recs[0].num_blocks == 0 and recs[0].finished and recs[0].input_ids.tolist() == PROMPTS[0][1] + [first]
+
+
+def test_native_retraction_ends_the_record_at_the_last_exact_block():
+    """A retracted request is re-prefilled, which emits one token outside any verify step (num_retractions 1):
+    the record ends at the last block before it, a prefix of the unretracted rollout."""
+    target = make_tiny_target()
+    backend = StandinBackend(target, drafter=OracleDrafter(target, BS, seed=4), block_size=BS, retract_after_steps=2)
+    recs, _ = _native(backend, PROMPTS, max_new=16, stops=())
+    ref = _reference(target, OracleDrafter(target, BS, seed=4), PROMPTS, max_new=16, stops=())
+    for rec, r in zip(recs, ref):
+        assert rec.num_blocks == 2 and not rec.finished
+        end = int(r.anchors[1]) + int(r.accepted[1]) + 1
+        assert rec.input_ids.tolist() == r.input_ids[: end + 1].tolist()
+        assert torch.equal(rec.anchors, r.anchors[:2]) and torch.equal(rec.accepted, r.accepted[:2])
+
+
+def test_native_in_flight_bounded_by_the_kv_pool():
+    """At most as many requests as the server's pool holds at full length are in flight (no queueing past the
+    timeout, no retraction); a request larger than the pool is refused before any is sent."""
+    target = make_tiny_target()
+    cost = native.request_tokens(6, 8, BS)  # the longest prompt
+    prompts = [(f"q{i}", [5 + i, 17, 33, 8, 9, 10][: 3 + i % 4]) for i in range(6)]
+    backend = StandinBackend(target, drafter=OracleDrafter(target, BS), block_size=BS, pool_tokens=2 * cost + 1)
+    cfg = SGLangConfig(request_timeout_s=30, max_retries=0, max_in_flight=8)
+    recs, peak = _native(backend, prompts, max_new=8, cfg=cfg)
+    assert len(recs) == 6 and 1 <= peak <= 2
+    small = StandinBackend(target, drafter=OracleDrafter(target, BS), block_size=BS, pool_tokens=cost - 1)
+    with pytest.raises(ValueError, match="raise sglang.max_total_tokens"):
+        _native(small, prompts, max_new=8, cfg=cfg)
+
+
+def test_native_timeout_grows_with_max_new_tokens():
+    target = make_tiny_target()
+    backend = StandinBackend(target, drafter=OracleDrafter(target, BS), block_size=BS)
+    slow = dict(delay_s=0.8)
+    base = dict(request_timeout_s=0.3, max_retries=0, backoff_s=0.01)
+
+    def run(per_token):
+        cfg = SGLangConfig(timeout_per_token_s=per_token, **base)
+        with ThreadedStandin(make_app(backend, native=True, **slow)) as srv:
+            return asyncio.run(native_rollout_async(Endpoints([srv.url]), PROMPTS[:1], sglang_cfg=cfg, block_size=BS,
+                                                    max_new_tokens=8, stop_token_ids=[1], teacher="token"))
+
+    assert len(run(0.2)) == 1  # 0.3 + 8 * 0.2 s
+    with pytest.raises(ServerError, match="TimeoutError"):
+        run(0.0)
+
+
+def test_native_teacher_hazards_are_refused():
+    with pytest.raises(ValueError, match="repetition_penalty=1.1.*refuse"):
+        native_request([1, 2], max_new_tokens=4, temperature=0.0, stop_token_ids=[], extra_sampling={"repetition_penalty": 1.1})
+    body = native_request([1, 2], max_new_tokens=4, temperature=0.0, stop_token_ids=[], extra_sampling={"top_p": 0.9})
+    assert body["return_logprob"] is True and body["sampling_params"]["top_p"] == 0.9  # keeps the verify logits
+    steps = [NativeStep(3, [7, 8, 9], 2, None), NativeStep(6, [4, 4, 4], 0, [-2.0, -1.0, -1.0])]
+    with pytest.raises(ContractError, match=r"opd_draft_logprob\[0\]`: null at 1 of 2 steps.*adjusted"):
+        record_from_native("s", [11, 12, 13], [20, 7, 8, 30, 31], steps, block_size=BS, teacher="token", stop_token_ids=[])
+    rec = record_from_native("s", [11, 12, 13], [20, 7, 8, 30, 31], steps, block_size=BS, teacher="full", stop_token_ids=[])
+    assert rec.teacher_draft_logprob is None and rec.num_blocks == 2

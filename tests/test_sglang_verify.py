@@ -266,3 +266,80 @@ def test_verify_mode_equals_engine_B_speculative_engine():
         if e.teacher_topk_ids is not None:
             assert torch.equal(h.teacher_topk_ids, e.teacher_topk_ids)
             assert torch.allclose(h.teacher_topk_logprobs, e.teacher_topk_logprobs.float(), atol=1e-4)
+
+
+def test_layer_ids_pass_unchanged_and_the_server_adds_the_offset():
+    """SGLang's DFLASH capture adds +1 itself (layers_to_capture = [k + 1 for k in layer_ids]): id k returns HF
+    hidden_states[k + 1], the output of decoder layer k. The stand-in applies that offset, so a client that
+    shifted the ids as well would receive hidden_states[k + 2] and fail the feature checks above."""
+    assert server_layer_ids([1, 9, 17]) == [1, 9, 17]
+    target = make_tiny_target()
+    backend = StandinBackend(target, aux_layer_ids=[0, 2])
+    ids = [5, 17, 33, 8]
+    out = backend.generate_verify({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                                   "logprob_start_len": 0, "top_logprobs_num": 0, "return_hidden_states": True})
+    with torch.inference_mode():
+        hs = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    got = torch.tensor(out["meta_info"]["hidden_states"][0])
+    assert torch.allclose(got, torch.cat([hs[1][0], hs[3][0]], -1), atol=1e-5)
+    with pytest.raises(ValueError, match="last layer"):
+        server_layer_ids([1, 3], num_target_layers=4)
+    with pytest.raises(ValueError, match="non-negative"):
+        server_layer_ids([-1])
+
+
+def test_repeated_layer_ids_are_captured_once_and_repeated_by_the_client():
+    """SGLang refuses a repeated id; small targets' drafters have them ([1, 1] here): the server captures each
+    layer once and the client repeats its columns, giving the features of the in-process rollout."""
+    from specforge_opd.sglang.contract import feature_columns
+
+    assert server_layer_ids([1, 1, 2]) == [1, 2]
+    assert feature_columns([1, 1, 2], 2).tolist() == [0, 1, 0, 1, 2, 3] and feature_columns([0, 2], 2) is None
+    target = make_tiny_target()
+    layers = [2, 2]
+    with ThreadedStandin(make_app(StandinBackend(target, aux_layer_ids=server_layer_ids(layers)))) as srv:
+        recs = asyncio.run(verify_rollout_async(
+            Endpoints([srv.url]), OracleDrafter(target, BS, seed=3), PROMPTS[:2], sglang_cfg=_cfg(), max_new_tokens=8,
+            stop_token_ids=STOPS, teacher="token", teacher_topk=1, feature_dim=len(layers) * 64, layer_ids=layers,
+        ))
+    local = LocalTarget(target, layers, top_k=1)
+    for rec, (sid, ids) in zip(recs, PROMPTS[:2]):
+        ref = asyncio.run(speculate_sequence(local, OracleDrafter(target, BS, seed=3), ids, sample_id=sid, max_new_tokens=8,
+                                             stop_token_ids=STOPS, teacher="token", store_features=True))
+        assert rec.features.shape == ref.features.shape == (rec.input_ids.numel() - 1, 128)
+        assert torch.allclose(rec.features, ref.features, atol=1e-4)
+
+
+def test_standin_refuses_aux_capture_as_0_5_23_does(tiny_target_dir, tmp_path):
+    """0.5.23 refuses --enable-return-aux-hidden-states unless --speculative-algorithm names EAGLE3, DFLASH or
+    DSPARK, and with a draft path; the launcher's verify arguments pass (DFLASH, no draft path)."""
+    import argparse
+
+    from specforge_opd.sglang.standin import check_flags
+
+    def flags(**kw):
+        base = dict(enable_return_aux_hidden_states=True, return_aux_hidden_state_layer_ids=[0, 2], speculative_algorithm=None,
+                    speculative_draft_model_path=None)
+        base.update(kw)
+        return argparse.Namespace(**base)
+
+    with pytest.raises(ValueError, match="needs --speculative-algorithm EAGLE3, DFLASH or DSPARK"):
+        check_flags(flags())
+    with pytest.raises(ValueError, match="drop --speculative-draft-model-path"):
+        check_flags(flags(speculative_algorithm="DFLASH", speculative_draft_model_path="/d"))
+    with pytest.raises(ValueError, match="must be distinct"):
+        check_flags(flags(speculative_algorithm="DFLASH", return_aux_hidden_state_layer_ids=[1, 1]))
+    assert check_flags(flags(speculative_algorithm="DFLASH")) is False  # reset to none: a verify server
+    assert check_flags(flags(enable_return_aux_hidden_states=False, return_aux_hidden_state_layer_ids=None,
+                             speculative_algorithm="DFLASH", speculative_draft_model_path="/d")) is True
+    cfg = _cfg(python=sys.executable, launch_module="specforge_opd.sglang.standin", startup_timeout_s=60.0)
+
+    def without_algorithm(port):  # the arguments the launcher passed before
+        a = server_args(cfg, model_path=str(tiny_target_dir), port=port, mode="verify", target_layer_ids=LAYERS)
+        i = a.index("--speculative-algorithm")
+        return a[:i] + a[i + 2 :]
+
+    with pytest.raises(ServerError, match="exited with code 2"):
+        with SGLangServer(cfg, without_algorithm, log_path=tmp_path / "s.log"):
+            pass
+    assert "needs --speculative-algorithm" in (tmp_path / "s.log").read_text()

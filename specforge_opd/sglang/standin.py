@@ -77,11 +77,13 @@ class StandinBackend:
             (what the plugin's hook makes SGLang answer; pass ``lambda k: False`` to
             emulate a server where that hook did not apply).
         retract_after_steps: retract each native request once after this many verify steps.
+        pool_tokens: the KV pool ``/server_info`` reports (``max_total_num_tokens``).
     """
 
     def __init__(self, target, *, aux_layer_ids: Optional[list[int]] = None, drafter=None, block_size: Optional[int] = None,
                  force_stream_interval: Optional[int] = None, request_level: Callable[[str], bool] = is_request_level_key,
-                 retract_after_steps: Optional[int] = None):
+                 retract_after_steps: Optional[int] = None, pool_tokens: int = 65536):
+        self.pool_tokens = int(pool_tokens)
         self.target = target.eval()
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.drafter = drafter
@@ -195,7 +197,8 @@ class StandinBackend:
         max_new = int(sp.get("max_new_tokens", 128))
         stops = set(int(t) for t in sp.get("stop_token_ids") or [])
         bs = int(self.block_size)
-        features = LocalTarget(self.target, self.drafter.model.target_layer_ids, top_k=1)
+        layer_ids = list(getattr(getattr(self.drafter, "model", None), "target_layer_ids", None) or [])
+        features = LocalTarget(self.target, layer_ids, top_k=1, want_features=bool(layer_ids))
         out: list[int] = []  # req.output_ids (a verify step may overshoot the finish)
         state = {"finished_len": None, "sent": 0, "retractions": 0}
         values: Optional[dict] = None  # req.customized_info: key -> one value per verify step
@@ -247,6 +250,8 @@ class StandinBackend:
                 continue
             a = len(seq) - 1
             _, feats = features.forward(seq)
+            if feats is None:  # a test drafter that reads no features
+                feats = torch.zeros(len(seq), 0)
             drafts = self.drafter.draft(feats[:a], seq[a], a, prefix=list(seq))
             logits = self._logits(seq + drafts)[a : a + bs]
             r = accepted_count(drafts, logits.argmax(-1))
@@ -320,7 +325,7 @@ def make_app(
 
     async def info(_req):
         return web.json_response({"version": STANDIN_VERSION, "standin": True,
-                                  "max_total_num_tokens": getattr(backend, "pool_tokens", None) or 65536})
+                                  "max_total_num_tokens": backend.pool_tokens})
 
     def answer(body: dict) -> dict:
         out = backend.generate_native(body) if native else backend.generate_verify(body)
