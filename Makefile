@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up (or reuse) .venv first.
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench sglang-wheel
 
 setup:
 	@bash scripts/setup_env.sh
@@ -7,7 +7,11 @@ setup:
 demo: setup
 	@bash scripts/demo.sh
 
-test: setup
+# The released SGLang wheel (no dependencies, cached) that tests/test_sglang_contract.py reads.
+sglang-wheel: setup
+	@.venv/bin/python -m specforge_opd.sglang.wheel
+
+test: setup sglang-wheel
 	@.venv/bin/python -m pytest -q --durations=15 tests
 
 bench: setup
