@@ -167,3 +167,15 @@ def test_native_server_env_keeps_the_flush_out_of_reach(monkeypatch):
     assert int(NO_EARLY_FLUSH) > 10**8 and mode_env("verify") == {}
     monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
     assert mode_env("native")["SGLANG_PLUGINS"] == "someone_else,specforge_opd_native"
+
+
+def test_the_plugin_imports_only_what_sglang_already_has():
+    """SGLang loads the plugin in its own environment (transformers 5.19, torch 2.14 there): importing it must
+    need nothing beyond torch, pydantic and yaml, so a --no-deps install of this package cannot break SGLang."""
+    import subprocess
+
+    code = ("import sys; import specforge_opd.sglang.native as n; n.register; "
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    for heavy in ("transformers", "specforge", "aiohttp", "safetensors"):
+        assert heavy not in out, f"importing the plugin loads {heavy}"
