@@ -109,6 +109,22 @@ def trained_positions(steps: int, supervised: list[int], num_anchors: int, block
     return epochs * sum(per) + round(rest * sum(per) / len(per))
 
 
+def _store_bf16_if_exact(path: Path) -> bool:
+    """Rewrite fp32 weights as bf16 when that loses nothing (a bf16-trained drafter): half the package size.
+
+    Loading casts them back (``drafter.load_drafter`` builds the model in fp32), so the
+    drafter's outputs are unchanged. Returns whether the file was rewritten.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(path))
+    if not all(v.dtype == torch.float32 and torch.equal(v, v.bfloat16().float()) for v in w.values()):
+        return False
+    save_file({k: v.bfloat16().contiguous() for k, v in w.items()}, str(path), metadata={"format": "pt"})
+    return True
+
+
 def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check_overrides: Optional[list[str]] = None) -> Path:
     """Copy the SFT export ``export`` (trained with ``config_file``) into the package as ``name``,
     with its training record and the recorded check; returns the published directory.
@@ -134,6 +150,7 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(export, tmp, ignore=shutil.ignore_patterns(RECORD_FILE))
+    _store_bf16_if_exact(tmp / "model.safetensors")
     curve = [{k: p[k] for k in ("step", "tau", "drafter_flops")} for p in meta["validation"]["curve"]]
     record = {
         "name": name,

@@ -127,3 +127,27 @@ def test_bootstrap_intervals_are_paired_and_pooled():
     assert abs(np.median(one) - 92 / 12) < 2.5
     with pytest.raises(ValueError, match="different prompts"):
         bootstrap_mean_tau({"a": a, "b": {"x": ([1], [1]), "y": ([1, 1], [1, 1])}})
+
+
+def test_publish_stores_bf16_exact_weights_in_bf16_and_they_load_unchanged(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import make_tiny_target
+    from specforge_opd.drafter import load_drafter
+    from specforge_opd.published import _store_bf16_if_exact
+
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(p.bfloat16().float())
+    d = save_drafter(drafter, tmp_path / "d")
+    assert _store_bf16_if_exact(d / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in load_file(str(d / "model.safetensors")).values())
+    back = load_drafter(d, target_config=target.config).state_dict()
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(back[k], v), k
+    # weights that bf16 would round stay fp32
+    d2 = save_drafter(make_tiny_drafter(target, seed=3), tmp_path / "d2")
+    assert not _store_bf16_if_exact(d2 / "model.safetensors")
