@@ -343,3 +343,10 @@ def test_standin_refuses_aux_capture_as_0_5_23_does(tiny_target_dir, tmp_path):
         with SGLangServer(cfg, without_algorithm, log_path=tmp_path / "s.log"):
             pass
     assert "needs --speculative-algorithm" in (tmp_path / "s.log").read_text()
+
+
+def test_launcher_names_sglang_python_when_it_has_no_sglang(tmp_path):
+    """The default sglang.python is usually this project's Python, which has no SGLang: a clear error at once."""
+    cfg = _cfg(python=sys.executable)  # launch_module stays sglang.launch_server
+    with pytest.raises(ServerError, match="sglang.python=.*cannot import 'sglang'"):
+        SGLangServer(cfg, lambda port: [], log_path=tmp_path / "s.log").start()

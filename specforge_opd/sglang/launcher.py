@@ -244,8 +244,28 @@ class SGLangServer:
     def command(self) -> list[str]:
         return [*shlex.split(self.cfg.python), "-m", self.cfg.launch_module, *self.args_fn(self.port)]
 
+    def check_python(self) -> None:
+        """Raise ``ServerError`` when ``sglang.python`` cannot import the launch module's package.
+
+        The default ``python`` is usually this project's environment, which has no
+        SGLang (SGLang pins its own torch and transformers): fail here, naming the
+        setting, instead of after a start-up timeout.
+        """
+        pkg = self.cfg.launch_module.split(".")[0]
+        probe = [*shlex.split(self.cfg.python), "-c", f"import importlib.util, sys; sys.exit(importlib.util.find_spec({pkg!r}) is None)"]
+        try:
+            ok = subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if not ok:
+            raise ServerError(
+                f"sglang.python={self.cfg.python!r} cannot import {pkg!r}: set sglang.python to the Python of SGLang's "
+                "own environment (docs/sglang.md), or sglang.urls to a running server"
+            )
+
     def start(self) -> "SGLangServer":
         """Launch and wait for ``/health``; raises ``ServerError`` with the log's tail."""
+        self.check_python()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         log = open(self.log_path, "ab")
