@@ -15,7 +15,9 @@ setup(
     package_data={"specforge_opd": ["fixtures/**/*", "fixtures/*", "published/**/*", "published/*"]},
     install_requires=[
         "torch>=2.11",
-        "transformers>=5.8.1,<5.9",
+        # no upper pin: SGLang 0.5.23 pins transformers 5.19 and torch 2.14 in its own env;
+        # requirements.lock pins what this project is tested with
+        "transformers>=5.8.1",
         "safetensors",
         "pydantic>=2",
         "pyyaml",

@@ -145,7 +145,11 @@ def target_dir(cfg: ExperimentConfig) -> str:
 
         return str(ensure_target())
     p = cfg.resolve_path(cfg.target.path)
-    return str(p) if p is not None and p.exists() else cfg.target.path
+    if p is not None and p.exists():
+        return str(p)
+    from .target import resolve_target_path
+
+    return str(resolve_target_path(cfg.target.path))  # a hub id: its snapshot, so SpecForge reads local files
 
 
 def target_identity(tdir: str) -> str:

@@ -119,6 +119,46 @@ def stop_token_ids(tokenizer, config, extra: list[int]) -> list[int]:
     return sorted(ids)
 
 
+def looks_like_hub_id(path: str) -> bool:
+    """``org/name`` (one slash, no leading ``/``, ``.`` or ``~``) that is not a local path."""
+    p = str(path)
+    return (p.count("/") == 1 and not p.startswith(("/", ".", "~")) and not p.endswith("/")
+            and not Path(p).expanduser().exists())
+
+
+def resolve_target_path(path: str) -> Path:
+    """A local HF model directory for ``target.path``: the directory itself, or a hub id's snapshot.
+
+    A hub id (``Qwen/Qwen3-8B``) is fetched with ``huggingface_hub.snapshot_download``
+    into the Hugging Face cache (its progress bars show; a cached snapshot is used
+    without the network). Only the files a causal LM needs are fetched.
+
+    Raises:
+        TargetError: the directory does not exist, or the hub id cannot be fetched
+            (offline and not cached, unknown repository, gated without a token).
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if not looks_like_hub_id(path):
+        raise TargetError(f"target.path: {p} does not exist; set it to a Hugging Face model directory or hub id "
+                          "(org/name), or leave it null for the embedded SmolLM2 target")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=patterns, local_files_only=True))
+    except Exception:  # not cached yet: fetch it
+        pass
+    try:
+        log.info("target %s: downloading into the Hugging Face cache", path)
+        return Path(snapshot_download(str(path), allow_patterns=patterns))
+    except Exception as e:
+        raise TargetError(f"target.path: hub id {path!r} could not be fetched ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "check the network and HF_TOKEN, or download it first and set target.path to the local "
+                          "directory") from None
+
+
 def load_target(tcfg) -> TargetBundle:
     """Load the target of ``tcfg`` (a ``TargetConfig``).
 
@@ -127,9 +167,11 @@ def load_target(tcfg) -> TargetBundle:
     else cpu. ``tcfg.dtype``: the weights' dtype (``float32`` on a CPU is what
     the tests and pinned facts use).
 
+    ``tcfg.path`` may be a local directory or a hub id (``resolve_target_path``).
+
     Raises:
-        TargetError: the path does not exist or is not an HF model directory,
-            or ``target.stop_token_ids`` lie outside the vocabulary.
+        TargetError: the path does not exist or is not an HF model directory, a
+            hub id cannot be fetched, or ``target.stop_token_ids`` lie outside the vocabulary.
         assets.AssetError: the embedded target could not be prepared.
     """
     import torch
@@ -140,12 +182,7 @@ def load_target(tcfg) -> TargetBundle:
 
         path = ensure_target(getattr(tcfg, "cache_dir", None))
     else:
-        path = Path(tcfg.path).expanduser()
-        if not path.is_dir():
-            raise TargetError(
-                f"target.path: {path} does not exist; set it to a Hugging Face model directory, "
-                "or leave it null for the embedded SmolLM2 target"
-            )
+        path = resolve_target_path(tcfg.path)
     identity = target_identity(path)
     device = resolve_device(tcfg.device)
     dtype = getattr(torch, _DTYPES[tcfg.dtype])

@@ -363,3 +363,26 @@ def test_request_fields_and_endpoints_exist(src):
 def test_the_wheel_is_the_version_the_contract_names(src):
     meta = next(n for n in src.names if n.endswith(".dist-info/METADATA"))
     assert f"Version: {contract.MIN_SGLANG_VERSION}" in src.zf.read(meta).decode()
+
+
+def test_our_install_requirements_admit_sglangs_own_pins(src):
+    """The plugin goes into SGLang's environment: our setup.py must not fight the wheel's pinned torch and
+    transformers (pip would downgrade SGLang's), whatever `pip install --no-deps` avoids anyway."""
+    import pathlib
+
+    from packaging.requirements import Requirement
+
+    meta_name = next(n for n in src.names if n.endswith(".dist-info/METADATA"))
+    theirs = {}
+    for line in src.zf.read(meta_name).decode().splitlines():
+        if line.startswith("Requires-Dist:"):
+            r = Requirement(line.split(":", 1)[1].strip())
+            if r.marker is None and r.name in ("torch", "transformers"):
+                theirs[r.name] = r
+    assert set(theirs) == {"torch", "transformers"}, f"sglang {sgl_wheel.VERSION} no longer pins {theirs}"
+    setup_py = (pathlib.Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    ours = {Requirement(m).name: Requirement(m) for m in re.findall(r'"((?:torch|transformers)[^"]*)"', setup_py)}
+    for name, r in theirs.items():
+        pinned = [s.version for s in r.specifier if s.operator == "=="]
+        assert pinned, f"sglang pins {r}"
+        assert ours[name].specifier.contains(pinned[0]), f"setup.py {ours[name]} refuses sglang's {r}"

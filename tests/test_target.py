@@ -72,3 +72,39 @@ def test_embedded_default(embedded_target_dir):
     assert b.stop_token_ids == [2]  # <|im_end|> is SmolLM2-Instruct's eos
     assert b.model.config.num_hidden_layers == 30 and b.model.config.vocab_size == 49152
     assert 0 <= EMBEDDED_MASK_TOKEN_ID < b.model.config.vocab_size
+
+
+def test_hub_id_targets_load_through_a_snapshot_and_fail_offline_by_name(tmp_path, monkeypatch):
+    """target.path: Qwen/Qwen3-8B is a hub id: fetched with huggingface_hub (cache first), not refused as a
+    missing directory; offline and uncached it names target.path and the fix."""
+    import huggingface_hub
+
+    from specforge_opd import sft
+    from specforge_opd.config import load_config
+    from specforge_opd.target import looks_like_hub_id, resolve_target_path
+
+    snap = tmp_path / "snap"
+    _save_tiny(snap)
+    calls = []
+
+    def fake_download(repo_id, allow_patterns=None, local_files_only=False):
+        calls.append((repo_id, local_files_only))
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert looks_like_hub_id("Qwen/Qwen3-8B") and not looks_like_hub_id(str(tmp_path)) and not looks_like_hub_id("./a/b")
+    b = load_target(TargetConfig(path="Qwen/Qwen3-8B", device="cpu"))
+    assert b.path == snap and calls == [("Qwen/Qwen3-8B", True), ("Qwen/Qwen3-8B", False)]
+    # SpecForge gets the snapshot directory, not the hub id
+    assert sft.target_dir(load_config(None, ["target.path=Qwen/Qwen3-8B"])) == str(snap)
+
+    def offline(repo_id, allow_patterns=None, local_files_only=False):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("offline and not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(TargetError, match=r"target.path: hub id 'Qwen/Qwen3-8B' could not be fetched.*HF_TOKEN"):
+        resolve_target_path("Qwen/Qwen3-8B")
+    with pytest.raises(TargetError, match="does not exist"):
+        resolve_target_path(str(tmp_path / "nope" / "deeper"))
