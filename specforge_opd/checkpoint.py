@@ -144,17 +144,19 @@ def load_checkpoint(step_dir: str | os.PathLike, model, optimizer) -> dict:
     return json.loads(state_file.read_text())
 
 
-def export_drafter(model, out_dir: str | os.PathLike, metadata: Optional[dict] = None) -> Optional[Path]:
+def export_drafter(model, out_dir: str | os.PathLike, metadata: Optional[dict] = None, *, dtype=None) -> Optional[Path]:
     """Gather the full drafter and write the SGLang-loadable HF directory (rank 0 writes).
 
     Every rank must call it (collective under FSDP2). Uses ``drafter.save_drafter``,
-    the one shared exporter. Returns the directory on rank 0, None elsewhere.
+    the one shared exporter; ``dtype`` (the target's, ``target.dtype``) is the weights'
+    dtype on disk and ``config.json``'s ``dtype`` (None: fp32). Returns the directory
+    on rank 0, None elsewhere.
     """
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = None
     if _rank() == 0:
         plain = build_drafter(model.config, getattr(model.config, "_attn_implementation", None) or "sdpa")
         plain.load_state_dict({k: v.float() for k, v in full.items()})
-        out = save_drafter(plain, out_dir, metadata=metadata)
+        out = save_drafter(plain, out_dir, metadata=metadata, dtype=dtype)
     _barrier()
     return out

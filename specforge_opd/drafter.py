@@ -7,6 +7,10 @@ drafters: ``save_drafter`` writes the HF layout SGLang loads unchanged
 ``auto_map``, no tied embeddings; weights ``layers.*``, ``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight`` in ``model.safetensors`` (no embedding,
 no lm_head: the drafter borrows the target's).
+
+Exports are written in the target's dtype and say so in ``config.json`` (``dtype``):
+SGLang under ``--dtype auto`` serves a drafter whose config has no dtype, or
+``float32``, in float16, next to a bf16 Qwen3 target.
 """
 
 from __future__ import annotations
@@ -42,6 +46,24 @@ _TARGET_FIELDS = (
 )
 
 METADATA_FILE = "specforge_opd.json"
+
+#: The dtypes an export may be written in, by the name ``config.json`` records.
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: ``dflash_config`` extensions of newer DFlash drafters that SpecForge's ``DFlashDraftModel``
+#: (and so the OPD replay) does not implement, with the value that means "not used".
+_UNSUPPORTED_DFLASH_KEYS = {
+    "conv_kernel_size": 0,
+    "conv_group_size": 0,
+    "selector_rank": 0,
+    "selector_top_k": 0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": 0.0,
+    "input_embedding_scale": 1.0,
+    "attention_sink_bias": False,
+    "attention_value_scale": None,
+    "projector_type": None,
+}
 
 
 class DrafterError(ValueError):
@@ -162,19 +184,42 @@ def check_compatible(draft_config, target_config, *, expected_mask_token_id: Opt
         raise DrafterError("drafter does not fit the target: " + "; ".join(problems))
 
 
+def dtype_name(dtype) -> str:
+    """The ``config.json`` name of ``dtype`` (a ``torch.dtype`` or one of ``EXPORT_DTYPES``' names).
+
+    Raises:
+        DrafterError: not float32, bfloat16 or float16.
+    """
+    name = str(dtype).replace("torch.", "") if dtype is not None else None
+    if name not in EXPORT_DTYPES:
+        raise DrafterError(f"drafter dtype {dtype!r} is not one of {sorted(EXPORT_DTYPES)}; "
+                           "export in the target's dtype (target.dtype)")
+    return name
+
+
 def _atomic_dir(out_dir: Path):
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
 
 
-def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: Optional[dict] = None) -> Path:
+def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: Optional[dict] = None, *,
+                 dtype=None) -> Path:
     """Export ``model`` as an SGLang-loadable HF DFlash directory, atomically.
 
-    Writes ``config.json``, ``model.safetensors`` (fp32 unless the model is in
-    another dtype) and, when given, ``specforge_opd.json`` with ``metadata``
-    (training step, FLOPs, provenance). An existing ``out_dir`` is replaced only
-    after the new one is complete.
+    Writes ``config.json``, ``model.safetensors`` and, when given,
+    ``specforge_opd.json`` with ``metadata`` (training step, FLOPs, provenance).
+    An existing ``out_dir`` is replaced only after the new one is complete.
+
+    Args:
+        dtype: the weights' dtype on disk, recorded as ``config.json`` ``dtype`` (and
+            ``torch_dtype``, for readers older than transformers 4.56): pass the
+            target's dtype (``target.dtype``: bfloat16 for Qwen3), which is what SGLang
+            then serves the drafter in. None: the model's own parameter dtype.
+
+    Raises:
+        DrafterError: ``dtype`` is not float32, bfloat16 or float16.
     """
+    name = dtype_name(dtype if dtype is not None else next(model.parameters()).dtype)
     out = Path(out_dir)
     tmp = _atomic_dir(out)
     try:
@@ -184,10 +229,10 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
         cfg["architectures"] = ["DFlashDraftModel"]
         cfg["tie_word_embeddings"] = False
         cfg["block_size"] = int(model.block_size)
-        if isinstance(cfg.get("dtype"), torch.dtype):
-            cfg["dtype"] = str(cfg["dtype"]).replace("torch.", "")
+        cfg["dtype"] = cfg["torch_dtype"] = name
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+        state = {k: v.detach().to(EXPORT_DTYPES[name]).contiguous().cpu() for k, v in model.state_dict().items()
+                 if "embed_tokens" not in k and "lm_head" not in k}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if metadata is not None:
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True, default=str))
@@ -244,11 +289,68 @@ def check_target_dtype(metadata: dict, target_dtype: str, where) -> None:
         )
 
 
+def _config_dtype(payload: dict, where) -> Optional[str]:
+    """``config.json``'s ``dtype`` (or the older ``torch_dtype``) as a name, None when absent."""
+    names = {k: payload[k] for k in ("dtype", "torch_dtype") if payload.get(k) is not None}
+    if len(set(names.values())) > 1:
+        raise DrafterError(f"drafter {where}: config.json dtype={names['dtype']!r} and torch_dtype={names['torch_dtype']!r} "
+                           "disagree; set both to the dtype the weights were trained for")
+    if not names:
+        return None
+    value = next(iter(names.values()))
+    if value not in EXPORT_DTYPES:
+        raise DrafterError(f"drafter {where}: config.json {next(iter(names))}={value!r} is not one of "
+                           f"{sorted(EXPORT_DTYPES)}; set it to the target's dtype")
+    return value
+
+
+def _block_size(payload: dict, dfc: dict, where) -> int:
+    """``block_size`` at the top level (older DFlash configs) or in ``dflash_config`` (newer ones)."""
+    top, inner = payload.get("block_size"), dfc.get("block_size")
+    if top is None and inner is None:
+        raise DrafterError(f"drafter {where}: config.json lacks block_size (at the top level or in dflash_config)")
+    if top is not None and inner is not None and int(top) != int(inner):
+        raise DrafterError(f"drafter {where}: config.json block_size={top} and dflash_config.block_size={inner} "
+                           "disagree (SGLang uses dflash_config.block_size); make them equal")
+    value = int(inner if inner is not None else top)
+    if value < 2:
+        raise DrafterError(f"drafter {where}: block_size={value}; a DFlash block needs at least 2 slots")
+    return value
+
+
+def _check_supported(config: Qwen3Config, dfc: dict, where) -> None:
+    """Refuse drafter features the OPD replay does not implement, by name (instead of training them wrongly)."""
+    types = list(config.layer_types or [])
+    other = {i: t for i, t in enumerate(types) if t != "full_attention"}
+    if other:
+        raise DrafterError(
+            f"drafter {where}: layer_types has {sorted(set(other.values()))} at layers {sorted(other)} "
+            f"(sliding_window={getattr(config, 'sliding_window', None)}); the OPD replay gives every drafter layer the "
+            "full block mask, so sliding-window drafters are not supported; start from a drafter whose layer_types "
+            "are all full_attention")
+    if getattr(config, "is_causal", None):
+        raise DrafterError(f"drafter {where}: config.json is_causal=true (causal attention inside the block) is not "
+                           "supported: DFlash replay attends to every slot of a block; use a drafter without is_causal")
+    used = [f"{k}={dfc[k]!r}" for k, off in _UNSUPPORTED_DFLASH_KEYS.items() if dfc.get(k) is not None and dfc[k] != off]
+    if used:
+        raise DrafterError(f"drafter {where}: dflash_config uses {', '.join(used)}, which SpecForge's DFlashDraftModel "
+                           "does not implement; use a plain DFlash drafter (architectures [DFlashDraftModel] without them)")
+
+
 def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
     """Read a DFlash ``config.json`` (directory or file) into a ``Qwen3Config``.
 
+    Both published layouts are accepted: ``block_size`` at the top level or inside
+    ``dflash_config`` (SGLang reads either, ``dflash_config`` first); the result has
+    it at the top level, where SpecForge's model reads it. ``layer_types`` are the
+    ones transformers derives when the file has none (``use_sliding_window``,
+    ``max_window_layers``), as SGLang sees them.
+
     Raises:
-        DrafterError: missing file, wrong architecture, or missing ``dflash_config`` fields.
+        DrafterError: missing file, wrong architecture, missing ``dflash_config`` fields,
+            ``block_size`` missing or given twice with two values, a ``dtype`` that is not
+            float32/bfloat16/float16, or a feature the OPD replay does not implement
+            (sliding-window or causal layers, DFlash2-style ``dflash_config`` extensions).
     """
     p = drafter_path(path)
     cfg_file = p / "config.json" if p.is_dir() else p
@@ -257,34 +359,57 @@ def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
     payload = json.loads(cfg_file.read_text())
     arch = payload.get("architectures") or []
     if arch != ["DFlashDraftModel"]:
-        raise DrafterError(f"drafter {path}: architectures={arch}, expected ['DFlashDraftModel']")
+        raise DrafterError(f"drafter {path}: architectures={arch}, expected ['DFlashDraftModel'] "
+                           "(other DFlash variants, such as DFlash2DraftModel, are not supported)")
     dfc = payload.get("dflash_config") or {}
     for k in ("mask_token_id", "target_layer_ids"):
         if k not in dfc:
             raise DrafterError(f"drafter {path}: config.json lacks dflash_config.{k}")
-    if "block_size" not in payload:
-        raise DrafterError(f"drafter {path}: config.json lacks block_size")
+    payload["block_size"] = _block_size(payload, dfc, path)
+    dtype = _config_dtype(payload, path)
+    payload.pop("torch_dtype", None)
+    if dtype is not None:
+        payload["dtype"] = dtype
     payload.pop("auto_map", None)
     payload["tie_word_embeddings"] = False
     payload.setdefault("num_target_layers", max(dfc["target_layer_ids"]) + 1)
-    payload.setdefault("layer_types", ["full_attention"] * payload["num_hidden_layers"])
-    return Qwen3Config(**payload)
+    config = Qwen3Config(**payload)
+    _check_supported(config, dfc, path)
+    return config
 
 
-def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", target_config=None) -> DFlashDraftModel:
+def drafter_dtype(config) -> Optional[str]:
+    """The dtype a drafter config declares (``config.json`` ``dtype``) as a name, or None."""
+    d = getattr(config, "dtype", None)
+    return None if d is None else dtype_name(d)
+
+
+def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", target_config=None, *,
+                 target_dtype: Optional[str] = None) -> DFlashDraftModel:
     """Load a drafter from an HF DFlash directory (ours, a SpecForge export, or a published one).
 
     SpecForge step directories are handled by ``specforge_opd.sft.load_specforge_checkpoint``.
-    With ``target_config`` given, ``check_compatible`` runs before the weights load.
+    With ``target_config`` given, ``check_compatible`` runs before the weights load. The
+    model is fp32 whatever the file holds (fp32, bf16 or fp16 weights: training keeps
+    fp32 master weights).
+
+    Args:
+        target_dtype: ``target.dtype`` of this run; a drafter whose ``config.json`` declares
+            another dtype is refused (it was exported for a target served in that dtype).
+            None: not checked.
 
     Raises:
-        DrafterError: not a DFlash directory, incompatible with the target, or
-            weights that do not match the architecture.
+        DrafterError: not a DFlash directory, incompatible with the target, a declared
+            dtype other than ``target_dtype``, or weights that do not match the architecture.
     """
     p = drafter_path(path)
     if not p.exists():
         raise DrafterError(f"drafter path {p} does not exist (draft.path)")
     config = load_draft_config(p)
+    have = drafter_dtype(config)
+    if target_dtype is not None and have is not None and have != target_dtype:
+        raise DrafterError(f"drafter {p}: config.json dtype={have}, but target.dtype={target_dtype}; set "
+                           f"target.dtype={have} (the dtype it was exported for), or re-export it with save_drafter(..., dtype={target_dtype!r})")
     if target_config is not None:
         check_compatible(config, target_config)
     model = build_drafter(config, attention_backend)
@@ -295,6 +420,9 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
     for f in files:
         state.update(load_file(str(f)))
     state = {k: v for k, v in state.items() if "embed_tokens" not in k and "lm_head" not in k}
+    bad = sorted({str(v.dtype) for v in state.values() if v.dtype not in EXPORT_DTYPES.values()})
+    if bad:
+        raise DrafterError(f"drafter {p}: weights in {bad} (quantized?); only float32/bfloat16/float16 drafters load")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or missing:
         raise DrafterError(f"drafter {p}: weights do not match the architecture (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")

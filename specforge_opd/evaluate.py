@@ -633,7 +633,7 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
     stop_ids = list(target.stop_token_ids)
     drafters = {}
     for name, d in drafter_dirs.items():
-        drafter = load_drafter(d, target_config=model.config)  # check_compatible runs before the weights load
+        drafter = load_drafter(d, target_config=model.config, target_dtype=cfg.target.dtype)  # check_compatible runs before the weights load
         check_compatible(drafter.config, model.config, expected_mask_token_id=cfg.draft.mask_token_id)
         drafters[name] = drafter.to(model.device).eval()
     if prompt_sets is None:

@@ -260,10 +260,11 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         from .drafter import save_drafter
 
         src = state["drafter"]
-        init = load_any_drafter(src, bundle.model.config, expected_mask_token_id=cfg.draft.mask_token_id)
+        init = load_any_drafter(src, bundle.model.config, expected_mask_token_id=cfg.draft.mask_token_id,
+                                target_dtype=cfg.target.dtype)
         meta = read_drafter_metadata(src) if Path(src).is_dir() else {}
         check_target_dtype(meta, cfg.target.dtype, src)
-        save_drafter(init, out / "initial_drafter", metadata=dict(meta, source=str(src)))
+        save_drafter(init, out / "initial_drafter", metadata=dict(meta, source=str(src)), dtype=cfg.target.dtype)
     if world > 1:
         import torch.distributed as dist
 

@@ -802,7 +802,7 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
     if cfg.draft.path is None:
         raise RolloutError("draft.path is not set: pass the drafter to roll out with (draft.path=DIR)")
     bundle = load_target(cfg.target)
-    drafter = load_drafter(cfg.resolve_path(cfg.draft.path), target_config=bundle.model.config)
+    drafter = load_drafter(cfg.resolve_path(cfg.draft.path), target_config=bundle.model.config, target_dtype=cfg.target.dtype)
     drafter = drafter.to(next(bundle.model.parameters()).device)
     mask = cfg.draft.mask_token_id if cfg.draft.mask_token_id is not None else drafter_mask_token_id(drafter)
     stops = sorted(set(bundle.stop_token_ids) | set(cfg.target.stop_token_ids))

@@ -764,7 +764,8 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
                            "delete that train directory to start the step again")
         model = load_specforge_checkpoint(stats["checkpoint"], target_config)
         export = save_drafter(model, d / "curve" / f"step_{end:07d}", metadata={"stage": "sft", "step": end,
-                                                                                 "target_dtype": cfg.target.dtype})
+                                                                                 "target_dtype": cfg.target.dtype},
+                              dtype=cfg.target.dtype)
         tau = valset.tau(model)
         curve = add_point(d, {"step": end, "tau": tau, "drafter_flops": flops_at(end), "export": str(export),
                               "checkpoint": stats["checkpoint"]})
@@ -914,13 +915,14 @@ def load_specforge_checkpoint(path: str | os.PathLike, target_config, attention_
 
 
 def load_any_drafter(path: str | os.PathLike, target_config, *, expected_mask_token_id: Optional[int] = None,
-                     attention_backend: str = "sdpa"):
+                     attention_backend: str = "sdpa", target_dtype: Optional[str] = None):
     """Load an existing drafter to reuse instead of SFT (DESIGN.md section 6, "In").
 
     Accepts a SpecForge step directory / ``training_state.pt`` / ``-latest``
     link / run directory, a SpecForge HF export, our export, or a published
     DFlash directory. Compatibility with the target (hidden size, target layer
-    count, vocabulary, mask token) is checked before use.
+    count, vocabulary, mask token) is checked before use; with ``target_dtype``
+    (``target.dtype``) an HF directory whose ``config.json`` declares another dtype is refused.
 
     Raises:
         DrafterError: the path holds no drafter, or what does not fit the target.
@@ -932,7 +934,7 @@ def load_any_drafter(path: str | os.PathLike, target_config, *, expected_mask_to
         raise DrafterError(f"drafter path {p} does not exist (draft.path)")
     if p.is_dir() and (p / "config.json").is_file():
         check_compatible(load_draft_config(p), target_config, expected_mask_token_id=expected_mask_token_id)
-        return load_drafter(p, attention_backend, target_config=target_config)
+        return load_drafter(p, attention_backend, target_config=target_config, target_dtype=target_dtype)
     model = load_specforge_checkpoint(p, target_config, attention_backend)
     check_compatible(model.config, target_config, expected_mask_token_id=expected_mask_token_id)
     return model
@@ -1204,7 +1206,7 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
         if chosen is not None:  # the validated checkpoint, exported before SpecForge could prune it
             from .drafter import load_drafter
 
-            model = load_drafter(chosen["export"], target_config=target_config)
+            model = load_drafter(chosen["export"], target_config=target_config, target_dtype=cfg.target.dtype)
             ckpt = Path(chosen["checkpoint"])
         else:
             model = load_specforge_checkpoint(ckpt, target_config)
@@ -1230,10 +1232,11 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                                              "validation": None if chosen is None else {
                                                  "select": cfg.sft.select, "selected_step": step,
                                                  "selected_tau": chosen["tau"], "curve": train_stats["curve"],
-                                                 "val_prompts": len(val_tok)}})
+                                                 "val_prompts": len(val_tok)}},
+                     dtype=cfg.target.dtype)
         from .drafter import load_drafter
 
-        load_drafter(final, target_config=target_config)  # the export must load back through the public loader
+        load_drafter(final, target_config=target_config, target_dtype=cfg.target.dtype)  # the export must load back through the public loader
     timings["export"] = time.time() - t0
 
     report = {"final": str(final), "timings_s": timings, "skipped": skipped, "verify": verify,

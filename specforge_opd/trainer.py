@@ -210,7 +210,7 @@ def _initial_drafter(drafter_init, cfg: ExperimentConfig, target_model):
         path = drafter_init if drafter_init is not None else cfg.draft.path
         if path is None:
             raise ValueError("no initial drafter: pass --drafter DIR or set draft.path")
-        drafter = load_drafter(path, backend, target_config=target_model.config)
+        drafter = load_drafter(path, backend, target_config=target_model.config, target_dtype=cfg.target.dtype)
         step0 = int(read_drafter_metadata(path).get("step", 0))
     check_compatible(drafter.config, target_model.config, expected_mask_token_id=cfg.draft.mask_token_id)
     drafter.train()
@@ -456,7 +456,7 @@ def distill(
                 print(f"distill: {ckpt} is already at the last step {step}/{total}; no step left to train (use a fresh --out for a new run)", file=sys.stderr)
             if not (export_dir / "config.json").is_file():
                 export_drafter(drafter, export_dir, metadata={"step": drafter_step0 + step, "opd_steps": step,
-                                                               "target_dtype": cfg.target.dtype})
+                                                               "target_dtype": cfg.target.dtype}, dtype=cfg.target.dtype)
             return DistillResult(out, export_dir, step, total, 0, drafter_step0 + step, skipped_total, already_complete=True)
 
         # 4. the loop
@@ -566,7 +566,7 @@ def distill(
         # 5. export
         meta = {"step": drafter_step0 + step, "opd_steps": step, "target_dtype": cfg.target.dtype, "loss": tc.loss, "combine": tc.combine, "nonfinite_skipped": skipped_total,
                 "flops": _replay_flops(drafter.config, records, cfg.rollout.teacher, step / max(1, order.steps_per_epoch)).to_dict()}
-        export_drafter(drafter, export_dir, metadata=meta)
+        export_drafter(drafter, export_dir, metadata=meta, dtype=cfg.target.dtype)
         return DistillResult(out, export_dir, step, total, steps_run, drafter_step0 + step, skipped_total, last_metrics=last)
     finally:
         if initialized_here and dist.is_initialized():
