@@ -150,6 +150,11 @@ class TrainingConfig(Section):
     feature_source: Literal["shard", "target"] = "shard"
     #: Slots per lm_head/KL chunk.
     chunk_slots: int = Field(default=1024, gt=0)
+    #: OPD trainer: blocks per drafter replay forward (and per verify forward of the
+    #: feature_source=target recompute); a longer sequence replays in groups, each
+    #: with its own backward, so activations stay bounded (SpecForge's DFlash SFT caps
+    #: a forward at 512 anchors). The gradient equals one forward over all blocks.
+    max_blocks_per_forward: int = Field(default=512, gt=0)
     #: Stop after this many non-finite steps in a row.
     max_nonfinite_steps: int = Field(default=3, gt=0)
     log_interval: int = Field(default=1, gt=0)

@@ -32,6 +32,7 @@ dict understand, so it is not used. The LR schedule is SpecForge's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -52,7 +53,7 @@ from .config import ExperimentConfig
 from .drafter import check_compatible, drafter_layer_ids, drafter_mask_token_id, load_drafter, read_drafter_metadata
 from .losses import SlotPlan, linear_kl_loss, plan_slots, slot_coefficients
 from .records import RolloutRecord
-from .replay import recompute_from_target, replay_hidden, slot_teacher
+from .replay import block_groups, recompute_from_target, replay_hidden, slot_teacher
 
 
 class NonFiniteError(RuntimeError):
@@ -241,6 +242,69 @@ def _scheduler(optimizer, cfg: ExperimentConfig, total_steps: int):
 # one sequence
 
 
+def sequence_group_losses(
+    drafter,
+    embed_tokens,
+    lm_head_weight: torch.Tensor,
+    record: RolloutRecord,
+    plan: SlotPlan,
+    coef: torch.Tensor,
+    *,
+    mask_token_id: int,
+    attention_backend: str = "sdpa",
+    chunk_slots: int = 1024,
+    max_blocks_per_forward: Optional[int] = None,
+    num_groups: Optional[int] = None,
+):
+    """Replay one sequence in groups of blocks; yield each group's (loss, acc_kl_sum, rej_wkl_sum).
+
+    The loss ``sum_i coef_i KL_i`` over the planned slots (normalized over the
+    global batch, ``losses.slot_coefficients``) is a sum over slots, and a slot's
+    drafter output depends only on its own block and the context before its anchor
+    (paper section 4.2, "Replay"), so it splits exactly over groups of at most
+    ``max_blocks_per_forward`` blocks (``replay.block_groups``): the caller runs
+    ``backward`` on each yielded loss before taking the next, and only one group's
+    activations are alive at a time. The summed gradient equals one forward over
+    all blocks. Within a group the lm_head and KL run in chunks of ``chunk_slots``
+    slots (``losses.linear_kl_loss``).
+
+    Args:
+        num_groups: yield exactly this many losses (>= the record's own groups);
+            the extra ones replay the first group with zero weight, so that every
+            FSDP2 rank runs the same number of forwards and backwards.
+    Yields:
+        (loss, acc_kl_sum, rej_wkl_sum), 0-dim float32; ``loss`` carries the gradient.
+    Raises:
+        ValueError: ``num_groups`` smaller than the record's group count.
+    """
+    groups = block_groups(record.num_blocks, max_blocks_per_forward)
+    if num_groups is not None and num_groups < len(groups):
+        raise ValueError(f"num_groups={num_groups} < the {len(groups)} groups of record {record.sample_id}")
+    pad = (num_groups or len(groups)) - len(groups)
+    whole = len(groups) == 1
+    for gi, (b0, b1) in enumerate(groups + groups[:1] * pad):
+        h = replay_hidden(drafter, embed_tokens, record, mask_token_id, attention_backend, blocks=None if whole else (b0, b1))
+        device = h.device
+        sel = (plan.block >= b0) & (plan.block < b1)
+        if not bool(sel.any()):
+            zero = (h.float().sum() * 0.0).view(())
+            yield zero, zero.detach(), zero.detach()
+            continue
+        sub = SlotPlan(*(getattr(plan, f)[sel] for f in ("block", "slot", "rejected", "reverse", "weight")))
+        c = coef[sel] if gi < len(groups) else torch.zeros_like(coef[sel])
+        hs = h[(sub.block - b0).to(device), sub.slot.to(device)]  # slot k of block m
+        yield linear_kl_loss(
+            hs,
+            lm_head_weight,
+            c.to(device),
+            sub.reverse.to(device),
+            sub.rejected.to(device),
+            sub.weight.to(device),
+            chunk_slots=chunk_slots,
+            **slot_teacher(record, sub, device),
+        )
+
+
 def sequence_loss(
     drafter,
     embed_tokens,
@@ -252,27 +316,43 @@ def sequence_loss(
     mask_token_id: int,
     attention_backend: str = "sdpa",
     chunk_slots: int = 1024,
+    max_blocks_per_forward: Optional[int] = None,
 ):
     """Replay one sequence and return its (loss, acc_kl_sum, rej_wkl_sum), 0-dim float32.
 
-    ``loss = sum_i coef_i KL_i`` over the planned slots (already normalized over
-    the global batch). The lm_head and KL run in chunks of ``chunk_slots``
-    slots with the gradient taken inside each chunk (``losses.linear_kl_loss``),
-    so dense fp32 logits exist for one chunk at a time and are never recomputed.
+    The sum of ``sequence_group_losses`` (one group by default). ``loss`` keeps
+    every group's graph until its backward: the trainer backpropagates group by
+    group instead; this form is for benchmarks and tests.
     """
-    h = replay_hidden(drafter, embed_tokens, record, mask_token_id, attention_backend)  # [M, bs, H]
-    device = h.device
-    hs = h[plan.block.to(device), plan.slot.to(device)]  # slot k of block m
-    return linear_kl_loss(
-        hs,
-        lm_head_weight,
-        coef.to(device),
-        plan.reverse.to(device),
-        plan.rejected.to(device),
-        plan.weight.to(device),
-        chunk_slots=chunk_slots,
-        **slot_teacher(record, plan, device),
-    )
+    total = [torch.zeros((), dtype=torch.float32) for _ in range(3)]
+    for parts in sequence_group_losses(drafter, embed_tokens, lm_head_weight, record, plan, coef, mask_token_id=mask_token_id,
+                                       attention_backend=attention_backend, chunk_slots=chunk_slots,
+                                       max_blocks_per_forward=max_blocks_per_forward):
+        total = [t.to(p.device) + p for t, p in zip(total, parts)]
+    return tuple(total)
+
+
+def step_group_counts(order: "BatchOrder", step: int, records: list[RolloutRecord], max_blocks_per_forward: int) -> list[list[int]]:
+    """[micro_step][j] -> the most replay groups any rank has at that position of step ``step``.
+
+    Every rank holds every record (``load_records``), so this needs no
+    communication; ranks pad to it (``sequence_group_losses(num_groups=...)``)
+    and FSDP2's all-gathers and reduce-scatters stay paired across ranks.
+    """
+    per_rank = [order.local_slots(step, r) for r in range(order.world_size)]
+    pad_index = order.step_indices(step)[0]  # a rank without a record replays this one (zero weight)
+    out = []
+    for m in range(order.accumulation_steps):
+        row = []
+        for j in range(order.batch_size):
+            n = 1
+            for r in range(order.world_size):
+                idx = per_rank[r][m][j]
+                idx = pad_index if idx is None else idx
+                n = max(n, len(block_groups(records[idx].num_blocks, max_blocks_per_forward)))
+            row.append(n)
+        out.append(row)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -478,31 +558,37 @@ def distill(
             w_rej = sum(p.w_rej() for p in plans)
             by_index = dict(zip(order.step_indices(step), plans))
             micro = order.local_slots(step, rank)
+            group_counts = step_group_counts(order, step, records, tc.max_blocks_per_forward)
             sums = torch.zeros(3, dtype=torch.float64)  # loss, acc_kl_sum, rej_wkl_sum
             bad_local = None
-            n_micro = sum(len(m) for m in micro)
+            n_backward = sum(sum(row) for row in group_counts)
             done = 0
-            for mb in micro:
-                for idx in mb:
+            for mi, mb in enumerate(micro):
+                for j, idx in enumerate(mb):
                     rec = records[idx] if idx is not None else batch[0]
                     plan = by_index[idx] if idx is not None else plans[0]
                     coef = slot_coefficients(plan, n_acc, w_rej, lambda_acc=tc.lambda_acc, lambda_rej=tc.lambda_rej, combine=tc.combine)
                     if idx is None:
                         coef = torch.zeros_like(coef)  # padding: keeps FSDP2 collectives aligned
                     if tc.feature_source == "target":
-                        rec = recompute_from_target(target_model, rec, layer_ids, form=cfg.rollout.teacher, topk=cfg.rollout.teacher_topk)
-                    done += 1
-                    if dist.is_initialized():
-                        drafter.set_requires_gradient_sync(done == n_micro)
-                    if autocast is not None:
-                        with autocast:
-                            loss, acc_s, rej_s = sequence_loss(drafter, embed_tokens, lm_head_weight, rec, plan, coef, mask_token_id=mask_id, attention_backend=tc.attention_backend, chunk_slots=tc.chunk_slots)
-                    else:
-                        loss, acc_s, rej_s = sequence_loss(drafter, embed_tokens, lm_head_weight, rec, plan, coef, mask_token_id=mask_id, attention_backend=tc.attention_backend, chunk_slots=tc.chunk_slots)
-                    (loss * world).backward()
+                        rec = recompute_from_target(target_model, rec, layer_ids, form=cfg.rollout.teacher, topk=cfg.rollout.teacher_topk,
+                                                    max_blocks_per_forward=tc.max_blocks_per_forward, chunk_rows=tc.chunk_slots)
+                    groups = sequence_group_losses(drafter, embed_tokens, lm_head_weight, rec, plan, coef, mask_token_id=mask_id,
+                                                   attention_backend=tc.attention_backend, chunk_slots=tc.chunk_slots,
+                                                   max_blocks_per_forward=tc.max_blocks_per_forward, num_groups=group_counts[mi][j])
+                    seq = torch.zeros(3, dtype=torch.float64)
+                    for _ in range(group_counts[mi][j]):
+                        done += 1
+                        if dist.is_initialized():
+                            # gradients are reduced once, in the step's last backward
+                            drafter.set_requires_gradient_sync(done == n_backward)
+                        with autocast if autocast is not None else contextlib.nullcontext():
+                            loss, acc_s, rej_s = next(groups)
+                        (loss * world).backward()
+                        seq += torch.tensor([float(loss.detach()), float(acc_s), float(rej_s)], dtype=torch.float64)
                     if idx is not None:
-                        sums += torch.tensor([float(loss.detach()), float(acc_s), float(rej_s)], dtype=torch.float64)
-                        if not math.isfinite(float(loss.detach())) and bad_local is None:
+                        sums += seq
+                        if not math.isfinite(float(seq[0])) and bad_local is None:
                             bad_local = rec
             if dist.is_initialized():
                 s = sums.to(device)
