@@ -206,6 +206,10 @@ class SFTConfig(Section):
     plateau_patience: int = Field(default=0, ge=0)
     #: Noise band of the plateau rule, in tau (the seed spread of tau at this scale).
     plateau_band: float = Field(default=0.02, ge=0.0)
+    #: Pause a validated run at the first point at or after this step: the export is the
+    #: best point so far, and the same command with a later or no value continues it
+    #: (a session's budget; not part of the step's key).
+    pause_at_step: Optional[int] = Field(default=None, gt=0)
 
 
 class OPDConfig(Section):

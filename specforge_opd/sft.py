@@ -114,13 +114,17 @@ def _mark_done(d: Path, key: str, inputs: dict, stats: dict) -> None:
     _write_json(d / MARKER, {"key": key, "inputs": inputs, "stats": stats, "finished_at": time.time()})
 
 
-def _keyed_step(name: str, d: Path, key: str, inputs: dict, run, skipped: list[str]) -> None:
-    """Run one resumable SFT step: skip it when ``d`` is done under ``key``, else ``run()`` -> stats and mark it done."""
+def _keyed_step(name: str, d: Path, key: str, inputs: dict, run, skipped: list[str]) -> dict:
+    """Run one resumable SFT step: skip it when ``d`` is done under ``key``, else ``run()`` -> stats and mark
+    it done, unless the stats say it paused (``paused_at``: the same command continues it). Returns the stats."""
     if is_done(d, key):
         skipped.append(name)
         print(f"[sft {name}] done already: {d}", flush=True)
-    else:
-        _mark_done(d, key, inputs, run())
+        return json.loads((d / MARKER).read_text())["stats"]
+    stats = run()
+    if stats.get("paused_at") is None:
+        _mark_done(d, key, inputs, stats)
+    return stats
 
 
 def dir_bytes(path: Path) -> int:
@@ -733,7 +737,8 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
     curve has plateaued (``validation.plateaued``); ``sft.max_steps`` is then only a cap.
 
     Returns the step's stats: ``checkpoint``/``step`` of the last segment, ``curve``, ``selected``
-    and ``plateau_step`` (the step at which the plateau rule stopped it, or None).
+    ``plateau_step`` (the step at which the plateau rule stopped it, or None) and ``paused_at``
+    (``sft.pause_at_step`` reached: the step is not marked done, so the same command continues it).
 
     Raises:
         SFTError: a segment ended at another step than planned.
@@ -746,10 +751,16 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
     curve = read_curve(d)
     stats: dict = {}
     tb = None
-    stopped = None
+    stopped = paused = None
     for end in ends:
         if any(p["step"] == end for p in curve):
             continue
+        done = max((p["step"] for p in curve), default=0)
+        if cfg.sft.pause_at_step is not None and done >= cfg.sft.pause_at_step:
+            paused = done
+            print(f"[sft val] pausing at step {done} (sft.pause_at_step={cfg.sft.pause_at_step}); the same command "
+                  "with a later or no sft.pause_at_step continues", flush=True)
+            break
         if plateaued(curve, cfg.sft.plateau_patience, cfg.sft.plateau_band):
             stopped = max(p["step"] for p in curve)
             print(f"[sft val] plateau at step {stopped}: the last {cfg.sft.plateau_patience} validation points are "
@@ -779,12 +790,13 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
             tb.flush()
     if tb is not None:
         tb.close()
-    if not stats or stopped is not None:  # every point was measured before this run, or the plateau stopped it
+    if not stats or stopped is not None or paused is not None:  # no segment ran now, or the curve stopped it
         last = max(curve, key=lambda p: p["step"])
         stats = {"checkpoint": last["checkpoint"], "step": last["step"]}
     if stopped is None and plateaued(curve, cfg.sft.plateau_patience, cfg.sft.plateau_band):
         stopped = max(p["step"] for p in curve)
     stats["plateau_step"] = stopped
+    stats["paused_at"] = paused
     chosen = select(curve, cfg.sft.select)
     plot_curve(curve, plot_path, chosen["step"])
     print(f"[sft val] exporting step {chosen['step']} (sft.select={cfg.sft.select}: validation tau {chosen['tau']:.3f}); "
@@ -1187,8 +1199,7 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     from .drafter import read_drafter_metadata, save_drafter
     from .flops import FlopsLedger
 
-    _keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
-    train_stats = json.loads((t_dir / MARKER).read_text())["stats"]
+    train_stats = _keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
     ckpt = Path(train_stats["checkpoint"])
     chosen = train_stats.get("selected")
     timings["train"] = time.time() - t0
@@ -1198,7 +1209,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
 
     final = out / "final"
     meta = read_drafter_metadata(final) if final.is_dir() else {}
-    if meta.get("sft_key") == t_key and meta.get("verify") is not None:
+    if (meta.get("sft_key") == t_key and meta.get("verify") is not None
+            and (chosen is None or meta.get("step") == chosen["step"])):
         skipped.append("export")
         verify = meta["verify"]
         print(f"[sft export] done already: {final}", flush=True)
@@ -1232,7 +1244,9 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                                              "validation": None if chosen is None else {
                                                  "select": cfg.sft.select, "selected_step": step,
                                                  "selected_tau": chosen["tau"], "curve": train_stats["curve"],
-                                                 "val_prompts": len(val_tok)}},
+                                                 "val_prompts": len(val_tok),
+                                                 "plateau_step": train_stats.get("plateau_step"),
+                                                 "paused_at": train_stats.get("paused_at")}},
                      dtype=cfg.target.dtype)
         from .drafter import load_drafter
 

@@ -417,3 +417,30 @@ def test_bf16_drafter_training_on_cpu(tmp_path, chat_render):
     cfg32 = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 1})
     sft.run_sft(cfg32, bundle=bundle, prompts=make_prompts(6), target_path=bundle.path)
     assert len(list((tmp_path / "run").glob("features-*"))) == 2
+
+
+def test_pause_exports_the_best_point_so_far_and_the_same_command_continues(tmp_path, chat_render, monkeypatch, capfd):
+    """sft.pause_at_step: the run stops at a validation point without being marked done; its export is the best
+    point so far; rerunning without the pause trains only the remaining steps and re-exports."""
+    from specforge_opd import validation
+    from specforge_opd.drafter import read_drafter_metadata
+
+    bundle = make_target_dir(tmp_path / "target")
+    taus = iter([1.1, 1.3, 1.2, 1.5])
+    monkeypatch.setattr(validation.ValidationSet, "tau", lambda self, drafter: next(taus))
+    over = {"sft.verify_prompts": 0, "sft.val_prompts": 2, "sft.val_interval": 2, "sft.max_steps": 8}
+    args = dict(bundle=bundle, prompts=make_prompts(8), target_path=bundle.path, val_prompts=make_prompts(2, start=20))
+    final = sft.run_sft(tiny_cfg(tmp_path / "run", **over, **{"sft.pause_at_step": 3}), **args)
+    out = capfd.readouterr().out
+    assert "pausing at step 4" in out
+    t_dir = next((tmp_path / "run").glob("train-*"))
+    assert not (t_dir / sft.MARKER).exists()
+    meta = read_drafter_metadata(final)
+    assert meta["step"] == 4 and meta["validation"]["paused_at"] == 4 and meta["validation"]["selected_tau"] == 1.3
+    sft.run_sft(tiny_cfg(tmp_path / "run", **over), **args)
+    out = capfd.readouterr().out
+    steps = [int(m) for m in __import__("re").findall(r"^step (\d+):", out, flags=__import__("re").M)]
+    assert steps == [5, 6, 7, 8]  # continued, nothing trained twice
+    assert (t_dir / sft.MARKER).exists()
+    meta = read_drafter_metadata(final)
+    assert meta["step"] == 8 and meta["validation"]["paused_at"] is None and meta["validation"]["selected_tau"] == 1.5
