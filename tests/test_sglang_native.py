@@ -116,6 +116,27 @@ def test_parse_native_response_names_missing_plugin_fields():
         parse_native_response(payload, block_size=BS)
 
 
+def test_parse_native_response_names_non_numeric_step_entries():
+    """SGLang's JSON encoder (orjson) writes a non-finite float as null: a -inf teacher log-prob arrives as null inside
+    its list, and must fail naming the entry and the way out, not as a TypeError from float(None)."""
+    meta = {"spec_verify_ct": 1, "opd_anchor": [3], "opd_draft": [[1, 2, 3]], "opd_accepted": [0],
+            "opd_draft_logprob": [[-0.1, None, -2.0]]}
+    payload = {"output_ids": [5, 6], "meta_info": meta}
+    with pytest.raises(ContractError, match=r"opd_draft_logprob\[0\]\[1\]`: None is not a finite float.*rollout.teacher=full"):
+        parse_native_response(payload, block_size=BS)
+    meta["opd_draft_logprob"] = [[-0.1, "x", -2.0]]
+    with pytest.raises(ContractError, match=r"opd_draft_logprob\[0\]\[1\]`: 'x'"):
+        parse_native_response(payload, block_size=BS)
+    meta["opd_draft_logprob"] = [None]
+    meta["opd_draft"] = [[1, None, 3]]
+    with pytest.raises(ContractError, match=r"opd_draft\[0\]`: expected 3 tokens.*non-negative integers"):
+        parse_native_response(payload, block_size=BS)
+    # fewer entries than steps also names a verify hook that failed at some steps
+    meta.update({"spec_verify_ct": 2, "opd_draft": [[1, 2, 3]]})
+    with pytest.raises(ContractError, match="recording a DFLASH verify step failed"):
+        parse_native_response(payload, block_size=BS)
+
+
 def test_parse_native_response_zero_verify_steps():
     """SGLang omits spec_verify_ct when a request finished with no verify step: zero steps, not an error;
     but many output tokens without any verify step mean the server did not decode speculatively."""

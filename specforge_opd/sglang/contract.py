@@ -407,6 +407,14 @@ class NativeResponse:
     num_retractions: int = 0
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def parse_native_response(payload: Any, *, block_size: int, server_version: Optional[str] = None) -> NativeResponse:
     """Check a native-mode response: ``output_ids`` and one entry per verify step under each plugin key.
 
@@ -462,20 +470,31 @@ def parse_native_response(payload: Any, *, block_size: int, server_version: Opti
         if len(col) != n_steps:
             raise ContractError(
                 f"meta_info.{key}",
-                f"{len(col)} entries != spec_verify_ct {n_steps}: per-step values were cut when the server flushed "
-                "the response early (SGLANG_FORCE_STREAM_INTERVAL); the plugin marks its keys request-level so that "
-                "they arrive whole at the finish, check that its hook on SchedulerOutputStreamer applied",
+                f"{len(col)} entries != spec_verify_ct {n_steps}: either per-step values were cut when the server "
+                "flushed the response early (SGLANG_FORCE_STREAM_INTERVAL; the plugin marks its keys request-level so "
+                "that they arrive whole at the finish: check that its hook on SchedulerOutputStreamer applied), or the "
+                "plugin's verify hook failed at some steps (look for 'recording a DFLASH verify step failed' in the "
+                "server log)",
                 v,
             )
         cols[key] = col
     steps = []
     for i in range(n_steps):
         draft = cols["opd_draft"][i]
-        if not isinstance(draft, list) or len(draft) != block_size - 1:
-            raise ContractError(f"meta_info.opd_draft[{i}]", f"expected {block_size - 1} tokens (block_size - 1), got {draft!r}", v)
+        if not isinstance(draft, list) or len(draft) != block_size - 1 or not all(_is_int(t) and t >= 0 for t in draft):
+            raise ContractError(f"meta_info.opd_draft[{i}]", f"expected {block_size - 1} tokens (block_size - 1, non-negative integers), got {draft!r}", v)
         lp = cols["opd_draft_logprob"][i]
-        if lp is not None and (not isinstance(lp, list) or len(lp) != block_size - 1 or not all(math.isfinite(float(x)) for x in lp)):
-            raise ContractError(f"meta_info.opd_draft_logprob[{i}]", f"expected {block_size - 1} finite floats or null, got {lp!r}", v)
+        if lp is not None:
+            if not isinstance(lp, list) or len(lp) != block_size - 1:
+                raise ContractError(f"meta_info.opd_draft_logprob[{i}]", f"expected {block_size - 1} finite floats or null, got {lp!r}", v)
+            bad = next((k for k, x in enumerate(lp) if not _is_finite_number(x)), None)
+            if bad is not None:
+                raise ContractError(
+                    f"meta_info.opd_draft_logprob[{i}][{bad}]",
+                    f"{lp[bad]!r} is not a finite float: a non-finite teacher log-prob (SGLang's JSON encoder writes -inf "
+                    "and nan as null); set rollout.teacher=full with training.feature_source=target to recompute the teacher",
+                    v,
+                )
         acc = cols["opd_accepted"][i]
         if not isinstance(acc, int) or isinstance(acc, bool) or not 0 <= acc <= block_size - 1:
             raise ContractError(f"meta_info.opd_accepted[{i}]", f"expected an integer in 0..{block_size - 1}, got {acc!r}", v)
