@@ -294,6 +294,24 @@ def test_aux_capture_refusals_as_the_standin_does(src):
     assert "drop --speculative-draft-model-path" in _join_strings(f)
     assert "must not repeat a layer" in _join_strings(f)
     assert "speculative_algorithm=None" in _compact(f), "aux capture no longer resets the algorithm: verify mode would load a draft"
+    # the stand-in refuses with 0.5.23's own messages (tests match on them)
+    import argparse
+
+    def refusal(**kw):
+        base = dict(enable_return_aux_hidden_states=True, return_aux_hidden_state_layer_ids=[0, 2],
+                    speculative_algorithm="DFLASH", speculative_draft_model_path=None)
+        base.update(kw)
+        with pytest.raises(ValueError) as e:
+            standin.check_flags(argparse.Namespace(**base))
+        return str(e.value)
+
+    sglang_text = _join_strings(f)
+    for kw in (dict(speculative_algorithm=None), dict(speculative_draft_model_path="/d"), dict(return_aux_hidden_state_layer_ids=None),
+               dict(return_aux_hidden_state_layer_ids=[], speculative_algorithm="EAGLE3"),
+               dict(return_aux_hidden_state_layer_ids=[-1]), dict(return_aux_hidden_state_layer_ids=[1, 1]),
+               dict(enable_return_aux_hidden_states=False)):
+        msg = refusal(**kw).split(", got ")[0].replace("with DFLASH requires", "with {method} requires")
+        assert msg in sglang_text, f"the stand-in refuses {kw} with `{msg}`, which 0.5.23 does not say"
 
 
 def _join_strings(code: str) -> str:

@@ -327,8 +327,12 @@ def test_standin_refuses_aux_capture_as_0_5_23_does(tiny_target_dir, tmp_path):
         check_flags(flags())
     with pytest.raises(ValueError, match="drop --speculative-draft-model-path"):
         check_flags(flags(speculative_algorithm="DFLASH", speculative_draft_model_path="/d"))
-    with pytest.raises(ValueError, match="must be distinct"):
+    with pytest.raises(ValueError, match="must not repeat a layer"):
         check_flags(flags(speculative_algorithm="DFLASH", return_aux_hidden_state_layer_ids=[1, 1]))
+    with pytest.raises(ValueError, match="must be non-negative"):
+        check_flags(flags(speculative_algorithm="DFLASH", return_aux_hidden_state_layer_ids=[-1, 2]))
+    with pytest.raises(ValueError, match="must not be empty"):
+        check_flags(flags(speculative_algorithm="EAGLE3", return_aux_hidden_state_layer_ids=[]))
     assert check_flags(flags(speculative_algorithm="DFLASH")) is False  # reset to none: a verify server
     assert check_flags(flags(enable_return_aux_hidden_states=False, return_aux_hidden_state_layer_ids=None,
                              speculative_algorithm="DFLASH", speculative_draft_model_path="/d")) is True

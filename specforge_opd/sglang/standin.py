@@ -304,8 +304,13 @@ def check_flags(args) -> bool:
     ids = args.return_aux_hidden_state_layer_ids
     if algo != "EAGLE3" and not ids:
         raise ValueError(f"--enable-return-aux-hidden-states with {algo} requires --return-aux-hidden-state-layer-ids.")
-    if ids is not None and (any(i < 0 for i in ids) or len(set(ids)) != len(ids)):
-        raise ValueError(f"--return-aux-hidden-state-layer-ids must be distinct and non-negative, got {list(ids)}.")
+    if ids is not None:
+        if len(ids) == 0:
+            raise ValueError("--return-aux-hidden-state-layer-ids must not be empty.")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"--return-aux-hidden-state-layer-ids must be non-negative, got {list(ids)}.")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"--return-aux-hidden-state-layer-ids must not repeat a layer, got {list(ids)}.")
     return False  # the algorithm only named the capture convention: reset to none
 
 
