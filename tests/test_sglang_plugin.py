@@ -122,10 +122,19 @@ def test_hook_reports_no_teacher_when_logits_are_missing_adjusted_or_sharded():
     assert r.logits_output.customized_info["opd_draft_logprob"] == [None]
 
 
-def test_hook_never_stops_the_server(caplog):
+def test_hook_never_stops_the_server(caplog, monkeypatch):
+    """A failure inside the hook leaves the step unrecorded and SGLang's result untouched, and is logged once per
+    process with the line the client's error message points at."""
+    import logging
+
+    monkeypatch.setattr(native, "_hook_failed_once", False)
     bad = SimpleNamespace(block_size=BS, model_runner=None)  # no draft block buffer
-    r = native._around_forward_batch_generation(_original([2], torch.zeros(BS, V)), bad, _batch([3]))
-    assert r.logits_output.customized_info is None
+    with caplog.at_level(logging.ERROR, logger=native.log.name):
+        for _ in range(3):
+            r = native._around_forward_batch_generation(_original([2], torch.zeros(BS, V)), bad, _batch([3]))
+            assert r.logits_output.customized_info is None and r.accept_lens.tolist() == [2]
+    failed = [rec for rec in caplog.records if "recording a DFLASH verify step failed" in rec.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
 
 
 def test_register_hooks_the_0_5_23_targets(monkeypatch):
