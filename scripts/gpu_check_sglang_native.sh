@@ -6,8 +6,12 @@
 #   $SGLANG_PYTHON -m pip install --no-deps -e .
 # That registers the entry point  sglang.srt.plugins: specforge_opd_native = specforge_opd.sglang.native:register
 # Starts SGLang with DFLASH and the plugin, rolls out a few prompts natively (long enough to cross
-# SGLANG_FORCE_STREAM_INTERVAL, and one with max_new_tokens 1: zero verify steps), and checks:
-#   - the log shows both hooks applied (DFlashWorkerV2.forward_batch_generation, SchedulerOutputStreamer);
+# SGLANG_FORCE_STREAM_INTERVAL, which this check leaves at SGLang's default 50 so that the plugin's
+# request-level marking, not the launcher's out-of-reach interval, is what keeps every step; and one
+# with max_new_tokens 1: zero verify steps), and checks:
+#   - the log has no "Failed to apply hooks" line of ours (the launcher refuses to start otherwise);
+#     the "Applied N hook(s)" INFO lines are printed when present (SGLang may configure logging only
+#     after plugins load, so their absence alone proves nothing);
 #   - every response carries one plugin entry per verify step (spec_verify_ct), at the top level of meta_info;
 #   - the per-step records reproduce SGLang's own output and spec_accept_length;
 #   - anchors / accepted counts against an in-process rollout of the same drafter (bf16 ties may flip a few).
@@ -17,23 +21,24 @@ cd "$(dirname "$0")/.."
 : "${TARGET:?}" "${DRAFTER:?}" "${BLOCK_SIZE:?}"
 SGLANG_PYTHON="${SGLANG_PYTHON:-python}"
 exec .venv/bin/python - <<PY
-import asyncio, torch
+import asyncio, re, torch
 from transformers import AutoModelForCausalLM
 from specforge_opd.config import SGLangConfig
 from specforge_opd.drafter import load_drafter
 from specforge_opd.records import tau_of
 from specforge_opd.sglang.launcher import SGLangServer, Endpoints, mode_env, server_args
-from specforge_opd.sglang.native import native_rollout_async
+from specforge_opd.sglang.native import HOOK_TARGETS, native_rollout_async
 from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_sequence
 prompts = [("n%d" % i, list(range(100 + 7 * i, 140 + 7 * i))) for i in range(4)]
 cfg = SGLangConfig(python="$SGLANG_PYTHON", max_total_tokens=65536, startup_timeout_s=1200)
 args = lambda port: server_args(cfg, model_path="$TARGET", port=port, mode="native", draft_path="$DRAFTER", block_size=$BLOCK_SIZE, dtype="bfloat16")
 log = "gpu_check_sglang_native.log"
-with SGLangServer(cfg, args, log_path=log, env={**mode_env("native"), "SGLANG_PLUGINS": "specforge_opd_native"}, require_plugin=True) as srv:
+env = {**mode_env("native"), "SGLANG_PLUGINS": "specforge_opd_native", "SGLANG_FORCE_STREAM_INTERVAL": "50"}
+with SGLangServer(cfg, args, log_path=log, env=env, require_plugin=True) as srv:
     print("SGLang version", srv.version, "pool tokens", srv.pool_tokens)
     text = open(log).read()
-    for t in ("DFlashWorkerV2.forward_batch_generation", "SchedulerOutputStreamer.is_request_level_customized_info_key"):
-        print("hook applied:", t, "Applied" in text and t in text)
+    for t in HOOK_TARGETS.values():
+        print("hook:", t, "'Applied' line in the log:", bool(re.search(r"Applied \\d+ hook\\(s\\) to " + re.escape(t), text)))
     ep = Endpoints.launched([srv])
     recs = asyncio.run(native_rollout_async(ep, prompts, sglang_cfg=cfg, block_size=$BLOCK_SIZE,
                                             max_new_tokens=200, stop_token_ids=[], teacher="token"))
