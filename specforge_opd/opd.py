@@ -40,7 +40,16 @@ import torch
 from .atomic import atomic_write_json
 from .config import ExperimentConfig
 from .flops import FlopsLedger, rollout_target_flops
-from .plan import OPDPlan, PlanError, captured_layers, iteration_prompt_indices, make_plan
+from .plan import (
+    OPDPlan,
+    PlanError,
+    captured_layers,
+    estimate_rank_memory,
+    iteration_prompt_indices,
+    make_plan,
+    per_rank_schedule,
+    planned_world_size,
+)
 from .records import accepted_histogram, tau_of
 from .sft import dir_bytes
 
@@ -70,6 +79,17 @@ def bind_rank_device(cfg: ExperimentConfig) -> ExperimentConfig:
 
 def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
     """(hidden size, target layers, drafter layers captured) without loading weights."""
+    tcfg = _target_config(cfg)
+    return int(tcfg.hidden_size), int(tcfg.num_hidden_layers), captured_layers(cfg)
+
+
+def _target_config(cfg: ExperimentConfig):
+    """The target's HF (text) config without loading weights: a local directory, the embedded
+    target, or the packaged Qwen3 config fixture matching ``target.path``.
+
+    Raises:
+        PlanError: ``target.path`` is neither a directory nor a known Qwen3 size.
+    """
     from transformers import AutoConfig
 
     from .assets import qwen3_fixture_dir, target_entry
@@ -89,8 +109,7 @@ def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
         if size is None:
             raise PlanError(f"target.path={path} is not a local directory and no packaged config fixture matches it")
         tcfg = AutoConfig.from_pretrained(qwen3_fixture_dir(size))
-    tcfg = getattr(tcfg, "text_config", tcfg)
-    return int(tcfg.hidden_size), int(tcfg.num_hidden_layers), captured_layers(cfg)
+    return getattr(tcfg, "text_config", tcfg)
 
 
 def _pool(cfg: ExperimentConfig, tokenizer=None):
@@ -100,8 +119,16 @@ def _pool(cfg: ExperimentConfig, tokenizer=None):
 
 
 def dry_run(cfg: ExperimentConfig) -> OPDPlan:
-    """Print the plan (schedule, spool estimate, drafter) without loading any weights."""
-    hidden, n_target, n_captured = _target_dims(cfg)
+    """Print the plan (schedule, spool estimate, drafter, and per rank: prompts, steps and the
+    estimated peak GPU memory of the trainer and the recompute) without loading any weights.
+
+    The ranks are ``plan.planned_world_size()`` (``WORLD_SIZE``, or ``NNODES`` x ``NPROC``).
+
+    Raises:
+        PlanError: the schedule does not fit (see ``plan.make_plan``, ``plan.per_rank_schedule``).
+    """
+    tconf = _target_config(cfg)
+    hidden, n_target, n_captured = int(tconf.hidden_size), int(tconf.num_hidden_layers), captured_layers(cfg)
     from .prompts import HUB_SOURCES
 
     remote = [s for s in cfg.data.train_sources if s in HUB_SOURCES and s not in cfg.data.local_files]
@@ -125,6 +152,22 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
     print(f"  loss: {cfg.training.loss} combine={cfg.training.combine} rejected_decay={cfg.training.rejected_decay} "
           f"lr={cfg.training.learning_rate} {cfg.training.lr_scheduler} warmup_ratio={cfg.training.warmup_ratio}")
     print(f"  initial drafter: {cfg.draft.path}; output: {cfg.output.dir}")
+    world = planned_world_size()
+    sched = per_rank_schedule(plan, world)
+    print(f"  per rank ({world} ranks): {sched['rollout_prompts_per_iteration']} rollout prompts per iteration, "
+          f"{sched['sequences_per_step']} sequences per optimizer step, {sched['total_steps']} steps "
+          f"({sched['steps_per_iteration']} per iteration)")
+    mem = estimate_rank_memory(cfg, tconf, world)
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    print(f"  peak GPU memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
+          f"{mem['blocks_per_forward']} per forward):")
+    print(f"    trainer   {gib(mem['trainer_peak']):>10}  = target {gib(mem['target_weights'])} + drafter state "
+          f"{gib(mem['drafter_state'])} + sequence {gib(mem['sequence_inputs'])} + replay activations "
+          f"{gib(mem['replay_activations'])} + mask {gib(mem['replay_mask'])} + lm_head/KL chunk {gib(mem['kl_chunk'])}")
+    if mem["recompute_peak"] is not None:
+        print(f"    recompute {gib(mem['recompute_peak']):>10}  = target + drafter state + sequence + KV cache "
+              f"{gib(mem['recompute_kv_cache'])} + activations {gib(mem['recompute_activations'])} + mask "
+              f"{gib(mem['recompute_mask'])} + lm_head chunk {gib(mem['recompute_lm_head'])}")
     return plan
 
 

@@ -150,3 +150,148 @@ def iteration_prompt_indices(plan: OPDPlan, iteration: int, seed: int) -> list[i
             order_cache[epoch] = order
         out.append(order_cache[epoch][i])
     return out
+
+
+# ---------------------------------------------------------------------------
+# ranks and per-rank memory
+
+
+def planned_world_size() -> int:
+    """Ranks a plan is made for: torchrun's ``WORLD_SIZE``, else ``NNODES`` x ``NPROC`` (what
+    ``scripts/train_opd.sh --dry-run`` passes), else 1.
+
+    Raises:
+        PlanError: one of them is not a positive integer.
+    """
+    import os
+
+    def read(name: str) -> int:
+        raw = os.environ.get(name, "1") or "1"
+        if not raw.isdigit() or int(raw) < 1:
+            raise PlanError(f"{name}={raw!r} must be a positive integer (ranks to plan for)")
+        return int(raw)
+
+    if os.environ.get("WORLD_SIZE"):
+        return read("WORLD_SIZE")
+    return read("NNODES") * read("NPROC")
+
+
+def per_rank_schedule(plan: OPDPlan, world: int) -> dict:
+    """What one of ``world`` ranks does: rollout prompts per iteration (rank r takes every
+    world-th prompt, so the first ranks may take one more), sequences per optimizer step
+    (the accumulation steps of batch 1), and optimizer steps (every rank takes every step).
+
+    Raises:
+        PlanError: ``opd.prompts_per_step`` does not split evenly over the ranks.
+    """
+    if plan.prompts_per_step % world:
+        raise PlanError(f"opd.prompts_per_step={plan.prompts_per_step} is not divisible by the {world} ranks; "
+                        f"use a multiple of {world}, or another NNODES x NPROC")
+    return {
+        "world_size": world,
+        "rollout_prompts_per_iteration": math.ceil(plan.prompts_per_iteration / world),
+        "sequences_per_step": plan.prompts_per_step // world,
+        "steps_per_iteration": plan.steps_per_iteration,
+        "total_steps": plan.total_steps,
+    }
+
+
+def _dims(target_config) -> dict:
+    t = getattr(target_config, "text_config", target_config)
+    H, heads = int(t.hidden_size), int(t.num_attention_heads)
+    hd = int(getattr(t, "head_dim", None) or H // heads)
+    n_exp = int(getattr(t, "num_experts", 0) or 0)
+    moe_inter = int(getattr(t, "moe_intermediate_size", 0) or 0)
+    inter = int(getattr(t, "intermediate_size", 4 * H))
+    return dict(H=H, V=int(t.vocab_size), L=int(t.num_hidden_layers), heads=heads, kv=int(t.num_key_value_heads), hd=hd,
+                inter=inter, mlp_inter=moe_inter * n_exp if n_exp else inter,
+                # an MoE layer runs one routed batch through its experts at a time: its transient width
+                act_inter=max(inter if not n_exp else 0, moe_inter * int(getattr(t, "num_experts_per_tok", 1) or 1)))
+
+
+def estimate_rank_memory(cfg: ExperimentConfig, target_config, world: int = 1, *, num_blocks=None,
+                         on_gpu: bool = True) -> dict:
+    """Estimated peak GPU memory (bytes) of one OPD trainer rank, for replay and for the recompute.
+
+    Counted for the longest sequence the config allows: S = ``data.max_prompt_tokens`` +
+    ``rollout.max_new_tokens`` - 1 context rows and ``num_blocks`` blocks (default
+    ``rollout.max_new_tokens``: tau 1, the most blocks); one replay forward takes
+    g = min(M, ``training.max_blocks_per_forward``) blocks, Q = g * block_size query rows
+    over K = S + Q keys. Element sizes: the target's ``target.dtype``; drafter
+    activations in bf16 on a GPU (``training.mixed_precision`` auto or bf16: FSDP2
+    computes in bf16), fp32 otherwise; ``on_gpu=False`` estimates a CPU run instead
+    (fp32 unless bf16 is asked for, and the dense SDPA mask even with flex_attention,
+    which has no CPU backward). Terms (each a key of the result):
+
+    - ``target_weights``: the whole frozen target on every rank (params x dtype).
+    - ``drafter_state``: fp32 params, grads and two Adam moments, 16 B/param, sharded
+      over the ranks, plus the gathered params in the compute dtype.
+    - ``sequence_inputs``: the sequence's features [S, n_layers*H] and ``full`` teacher
+      hidden [M, bs-1, H] (top-k: [M, bs-1, k] ids and log-probs).
+    - ``replay_activations``: what one group's forward keeps for backward: per drafter
+      layer Q*(7H + 6*heads*hd + 4*I) + K*(7*kv*hd + 2*heads*hd) (norms, q/k/v with
+      RoPE, K/V repeated to all heads for SDPA, the MLP's four I-wide tensors), plus the
+      context projection 2*S*H, the noise embedding and final norm 3*Q*H, and the
+      gradient buffer of the trained slots [g*(bs-1), H] (the fused lm_head/KL keeps it).
+    - ``replay_mask``: the dense SDPA mask of one group, Q*K bools plus its additive copy
+      in the compute dtype (0 with flex_attention, whose BlockMask is tiny).
+    - ``kl_chunk``: fp32 [C, V] buffers alive at once in one lm_head/KL chunk, C =
+      min(``training.chunk_slots``, g*(bs-1)): 4 for ``full`` (student and teacher logits,
+      the in-place gradient and a softmax), 3 for ``token``, 2 for ``topk`` (as measured on
+      a CPU, ``tests/test_plan.py``).
+    - ``recompute_*`` (``training.feature_source: target``): the target's KV cache over S + R
+      rows, R = max(min(S, g*(bs-1)), g*(bs-1)) rows per forward; one forward's widest
+      activations at R rows; the verify mask R*(S+R) bools; topk/token lm_head chunks.
+
+    ``trainer_peak`` = target + drafter state + inputs + replay terms; ``recompute_peak`` =
+    target + drafter state + inputs + the recompute's own terms (it runs before the replay
+    of the same sequence, so the two do not add). Not counted: the CUDA context and
+    allocator fragmentation (leave some GiB), the rollout's own engine.
+    """
+    d = _dims(target_config)
+    H, V, heads, kv, hd = d["H"], d["V"], d["heads"], d["kv"], d["hd"]
+    dt = _DTYPE_BYTES[cfg.target.dtype]
+    mp = cfg.training.mixed_precision
+    c = 2 if (mp == "bf16" or (mp == "auto" and on_gpu)) else 4
+    bs = cfg.draft.block_size
+    n = bs - 1
+    S = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
+    M = int(num_blocks if num_blocks is not None else cfg.rollout.max_new_tokens)
+    g = min(M, cfg.training.max_blocks_per_forward)
+    Q, K = g * bs, S + g * bs
+    n_ids = captured_layers(cfg)
+    dl = cfg.draft.num_hidden_layers
+    I = int(cfg.draft.intermediate_size or d["inter"])
+
+    attn = H * hd * (2 * heads + 2 * kv)
+    target_params = d["L"] * (attn + 3 * H * d["mlp_inter"]) + 2 * V * H
+    drafter_params = dl * (attn + 3 * H * I + 2 * H + 2 * hd) + n_ids * H * H + 2 * H
+
+    out = {
+        "world_size": world,
+        "sequence_tokens": S + 1,
+        "blocks": M,
+        "blocks_per_forward": g,
+        "target_params": target_params,
+        "drafter_params": drafter_params,
+        "target_weights": target_params * dt,
+        "drafter_state": 16 * drafter_params // world + c * drafter_params,
+    }
+    teacher = {"full": M * n * H * dt, "topk": M * n * cfg.rollout.teacher_topk * 12, "token": M * n * 4}[cfg.rollout.teacher]
+    out["sequence_inputs"] = S * n_ids * H * dt + teacher
+    per_layer = Q * (7 * H + 6 * heads * hd + 4 * I) + K * (7 * kv * hd + 2 * heads * hd)
+    out["replay_activations"] = c * (dl * per_layer + 2 * S * H + 3 * Q * H + g * n * H)
+    out["replay_mask"] = 0 if cfg.training.attention_backend == "flex_attention" and on_gpu else Q * K * (1 + c)
+    C = min(cfg.training.chunk_slots, g * n)
+    out["kl_chunk"] = C * V * 4 * {"full": 4, "topk": 2, "token": 3}[cfg.rollout.teacher]
+    resident = out["target_weights"] + out["drafter_state"] + out["sequence_inputs"]
+    out["trainer_peak"] = resident + out["replay_activations"] + out["replay_mask"] + out["kl_chunk"]
+    R = max(min(S, g * n), g * n)
+    out["recompute_kv_cache"] = d["L"] * 2 * (S + R) * kv * hd * dt
+    out["recompute_activations"] = R * dt * max(2 * d["act_inter"], 2 * heads * hd + 2 * H) + 2 * (S + R) * heads * hd * dt
+    out["recompute_mask"] = R * (S + R)
+    out["recompute_lm_head"] = 0 if cfg.rollout.teacher == "full" else min(cfg.training.chunk_slots, M * n) * V * 4 * 2
+    out["recompute_peak"] = (resident + out["recompute_kv_cache"] + out["recompute_activations"] + out["recompute_mask"]
+                             + out["recompute_lm_head"]) if cfg.training.feature_source == "target" else None
+    return out
+
