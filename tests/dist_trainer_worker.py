@@ -40,14 +40,18 @@ def main() -> None:
                 g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                 grads[f"step{step}.{name}"] = g.detach().clone().contiguous()
 
-        run = out / f"run-{world}-{bs}x{acc}"
+        # MAX_BLOCKS: replay in groups of that many blocks (ranks then differ in group counts)
+        groups = os.environ.get("MAX_BLOCKS")
+        tag = f"{world}-{bs}x{acc}" + (f"-g{groups}" if groups else "")
+        run = out / f"run-{tag}"
         cfg = load_config(None, [f"training.batch_size={bs}", f"training.accumulation_steps={acc}", "training.shuffle=false",
-                                 "training.chunk_slots=7", "output.tensorboard=false", f"output.dir={run}"])
+                                 "training.chunk_slots=7", "output.tensorboard=false", f"output.dir={run}"]
+                          + ([f"training.max_blocks_per_forward={groups}"] if groups else []))
         distill(cfg, drafter_init=drafter, out_dir=run, target=target, records=records, progress=False, on_gradients=grab)
         if rank == 0:
             from safetensors.torch import save_file
 
-            save_file(grads, str(out / f"grads-{world}-{bs}x{acc}.safetensors"))
+            save_file(grads, str(out / f"grads-{tag}.safetensors"))
     if dist.is_initialized():
         dist.destroy_process_group()
 

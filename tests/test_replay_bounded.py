@@ -247,3 +247,19 @@ def test_max_blocks_per_forward_must_be_positive():
 
     with pytest.raises(Exception, match="max_blocks_per_forward"):
         load_config(None, ["training.max_blocks_per_forward=0"])
+
+
+def test_step_group_counts_are_the_same_on_every_rank():
+    """Ranks replay as many groups as the rank with the most at each position (FSDP2's collectives pair up);
+    a rank padding a short last batch counts the record it replays with zero weight."""
+    from types import SimpleNamespace
+
+    from specforge_opd.trainer import BatchOrder, step_group_counts
+
+    records = [SimpleNamespace(num_blocks=n) for n in (1, 5, 9, 2, 4)]
+    order = BatchOrder(num_records=5, batch_size=1, accumulation_steps=2, world_size=2, num_epochs=1, seed=0, shuffle=False)
+    # step 0: micro 0 -> records 0 (rank 0), 1 (rank 1); micro 1 -> 2, 3. Groups of 2 blocks: 1, 3, 5, 1.
+    assert step_group_counts(order, 0, records, 2) == [[3], [5]]
+    # step 1: record 4 on rank 0 only; rank 1 pads with record 4 as well
+    assert step_group_counts(order, 1, records, 2) == [[2], [2]]
+    assert step_group_counts(order, 0, records, 512) == [[1], [1]]
