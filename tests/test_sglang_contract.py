@@ -376,6 +376,13 @@ def test_request_fields_and_endpoints_exist(src):
         assert f'"{route}"' in http, f"no route {route}"
     assert '"version": __version__' in http
     assert '"max_total_num_tokens": self.max_total_num_tokens' in src.text("sglang.srt.managers.scheduler")
+    # the running-request limit contract.parse_running_slots reads (native in-flight bound), and DFLASH's default
+    assert '"internal_states": internal_states' in http and "**build_server_info(server_args" in http
+    assert 'state["effective_max_running_requests_per_dp"] = scheduler.max_running_requests' in \
+        src.text("sglang.srt.managers.scheduler_components.internal_state")
+    dflash = _compact(src.func_src("sglang.srt.arg_groups.speculative_hook", "_handle_dflash"))
+    assert "ifcfg.max_running_requestsisNone:" in dflash and "max_running_requests=48" in dflash
+    assert "result=server_args.resolved_dict()" in _compact(src.func_src("sglang.srt.utils.common", "build_server_info"))
 
 
 def test_the_wheel_is_the_version_the_contract_names(src):

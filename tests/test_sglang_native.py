@@ -264,6 +264,27 @@ def test_native_in_flight_bounded_by_the_kv_pool():
         _native(small, prompts, max_new=8, cfg=cfg)
 
 
+def test_native_in_flight_bounded_by_the_servers_running_requests():
+    """DFLASH serves at most max_running_requests at once (0.5.23 resets it to 48); a request past that waits in
+    SGLang's queue for a whole generation and can time out, so at most that many are sent to each server."""
+    from specforge_opd.sglang.contract import parse_running_slots
+
+    assert parse_running_slots({"max_running_requests": 48, "internal_states": [{"effective_max_running_requests_per_dp": 20},
+                                                                                {"effective_max_running_requests_per_dp": 20}]}) == 40
+    assert parse_running_slots({"max_running_requests": 48}) == 48 and parse_running_slots({"internal_states": []}) is None
+    target = make_tiny_target()
+    prompts = [(f"q{i}", [5 + i, 17, 33, 8]) for i in range(6)]
+    backend = StandinBackend(target, drafter=OracleDrafter(target, BS), block_size=BS, running_slots=2)
+    cfg = SGLangConfig(request_timeout_s=30, max_retries=0, max_in_flight=8)
+    with ThreadedStandin(make_app(backend, native=True, delay_s=0.3)) as srv:
+        ep = Endpoints.connect([srv.url])
+        assert ep.running_slots == [2]
+        recs = asyncio.run(native_rollout_async(ep, prompts, sglang_cfg=cfg, block_size=BS, max_new_tokens=6,
+                                                stop_token_ids=[1], teacher="token"))
+        peak = srv.max_in_flight
+    assert len(recs) == 6 and peak == 2
+
+
 def test_native_timeout_grows_with_max_new_tokens():
     target = make_tiny_target()
     backend = StandinBackend(target, drafter=OracleDrafter(target, BS), block_size=BS)

@@ -524,3 +524,20 @@ def parse_pool_tokens(payload: Any) -> Optional[int]:
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 return n
     return None
+
+
+def parse_running_slots(payload: Any) -> Optional[int]:
+    """Requests the server decodes at once, from ``/server_info``; None when absent.
+
+    0.5.23 reports the scheduler's effective limit per data-parallel rank in
+    ``internal_states[*].effective_max_running_requests_per_dp`` (summed over the
+    ranks) and the resolved ``max_running_requests`` at the top level (DFLASH resets
+    it to 48 unless set); requests past it wait in SGLang's queue.
+    """
+    if not isinstance(payload, dict):
+        return None
+    per_dp = [s.get("effective_max_running_requests_per_dp") for s in (payload.get("internal_states") or []) if isinstance(s, dict)]
+    if per_dp and all(_is_int(n) and n > 0 for n in per_dp):
+        return int(sum(per_dp))
+    n = payload.get("max_running_requests")
+    return int(n) if _is_int(n) and n > 0 else None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from ..config import SGLangConfig
-from .contract import MIN_SGLANG_VERSION, parse_pool_tokens, parse_server_info, server_layer_ids, version_tuple
+from .contract import MIN_SGLANG_VERSION, parse_pool_tokens, parse_running_slots, parse_server_info, server_layer_ids, version_tuple
 
 Mode = Literal["verify", "native", "plain"]
 
@@ -235,6 +235,8 @@ class SGLangServer:
         self.version = "unknown"
         #: KV pool in tokens as the server reports it (None: not reported)
         self.pool_tokens: Optional[int] = None
+        #: requests the server decodes at once (``contract.parse_running_slots``; None: not reported)
+        self.running_slots: Optional[int] = None
         self._atexit = False
 
     @property
@@ -289,6 +291,7 @@ class SGLangServer:
         info = server_info(self.url)
         self.version = parse_server_info(info)
         self.pool_tokens = parse_pool_tokens(info) or self.cfg.max_total_tokens
+        self.running_slots = parse_running_slots(info)
         return self
 
     def alive(self) -> bool:
@@ -340,7 +343,7 @@ class Endpoints:
     """
 
     def __init__(self, urls: list[str], servers: Optional[list[SGLangServer]] = None, version: str = "unknown",
-                 pool_tokens: Optional[list[Optional[int]]] = None):
+                 pool_tokens: Optional[list[Optional[int]]] = None, running_slots: Optional[list[Optional[int]]] = None):
         if not urls:
             raise ValueError("no SGLang server: set sglang.urls or let the launcher start one")
         self.urls = [u.rstrip("/") for u in urls]
@@ -348,23 +351,26 @@ class Endpoints:
         self.version = version
         #: per URL, the KV pool in tokens (None: unknown, no token bound)
         self.pool_tokens = list(pool_tokens) if pool_tokens is not None else [None] * len(self.urls)
+        #: per URL, the requests it decodes at once (None: unknown, no bound besides sglang.max_in_flight)
+        self.running_slots = list(running_slots) if running_slots is not None else [None] * len(self.urls)
 
     @classmethod
     def connect(cls, urls: list[str], timeout_s: float = 30.0) -> "Endpoints":
         """Wait for each given URL's ``/health`` and read its version and KV pool size."""
         version = "unknown"
-        pools = []
+        pools, slots = [], []
         for u in urls:
             wait_healthy(u, timeout_s)
             info = server_info(u)
             version = parse_server_info(info)
             pools.append(parse_pool_tokens(info))
-        return cls(urls, None, version, pools)
+            slots.append(parse_running_slots(info))
+        return cls(urls, None, version, pools, slots)
 
     @classmethod
     def launched(cls, servers: list[SGLangServer]) -> "Endpoints":
         return cls([s.url for s in servers], servers, servers[0].version if servers else "unknown",
-                   [s.pool_tokens for s in servers])
+                   [s.pool_tokens for s in servers], [getattr(s, "running_slots", None) for s in servers])
 
     def url(self, i: int) -> str:
         return self.urls[i % len(self.urls)]
@@ -384,6 +390,7 @@ class Endpoints:
         if ok:
             self.version = s.version
             self.pool_tokens[i % len(self.servers)] = s.pool_tokens
+            self.running_slots[i % len(self.servers)] = s.running_slots
         return ok
 
     def version_warning(self) -> Optional[str]:

@@ -78,12 +78,16 @@ class StandinBackend:
             emulate a server where that hook did not apply).
         retract_after_steps: retract each native request once after this many verify steps.
         pool_tokens: the KV pool ``/server_info`` reports (``max_total_num_tokens``).
+        running_slots: the requests ``/server_info`` says the server decodes at once
+            (``max_running_requests`` and ``internal_states[0].effective_max_running_requests_per_dp``;
+            0.5.23's DFLASH default is 48).
     """
 
     def __init__(self, target, *, aux_layer_ids: Optional[list[int]] = None, drafter=None, block_size: Optional[int] = None,
                  force_stream_interval: Optional[int] = None, request_level: Callable[[str], bool] = is_request_level_key,
-                 retract_after_steps: Optional[int] = None, pool_tokens: int = 65536):
+                 retract_after_steps: Optional[int] = None, pool_tokens: int = 65536, running_slots: int = 48):
         self.pool_tokens = int(pool_tokens)
+        self.running_slots = int(running_slots)
         self.target = target.eval()
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.drafter = drafter
@@ -330,7 +334,9 @@ def make_app(
 
     async def info(_req):
         return web.json_response({"version": STANDIN_VERSION, "standin": True,
-                                  "max_total_num_tokens": backend.pool_tokens})
+                                  "max_total_num_tokens": backend.pool_tokens,
+                                  "max_running_requests": backend.running_slots,
+                                  "internal_states": [{"effective_max_running_requests_per_dp": backend.running_slots}]})
 
     def answer(body: dict) -> dict:
         out = backend.generate_native(body) if native else backend.generate_verify(body)

@@ -12,6 +12,7 @@ response) fails at once with the field named (``contract.ContractError``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Callable, Iterable, Optional
 
@@ -216,9 +217,12 @@ async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tup
     """``await fn(client, i, sample_id, prompt_ids)`` for every prompt; results in prompt order.
 
     At most ``sglang.max_in_flight`` calls run at once over one ``HTTPClient``. With
-    ``token_cost`` (KV-pool tokens a prompt's request may hold) and a known pool per
-    server (``endpoints.pool_tokens``), the requests on server ``i % n`` also hold at
-    most that pool's tokens together. Shared by verify and native mode.
+    ``token_cost`` (KV-pool tokens a prompt's request may hold; native mode, whose
+    requests decode for minutes), the requests on server ``i % n`` also hold at most
+    its pool's tokens together (``endpoints.pool_tokens``) and number at most the
+    requests it decodes at once (``endpoints.running_slots``: DFLASH's default is
+    48), so none waits in SGLang's queue for a whole generation and times out.
+    Shared by verify and native mode.
 
     Raises:
         ValueError: one request needs more tokens than its server's pool (names the fields).
@@ -227,6 +231,8 @@ async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tup
     n = len(endpoints.urls)
     pools = list(getattr(endpoints, "pool_tokens", None) or [None] * n)
     budgets = [TokenBudget(p) if (token_cost is not None and p) else None for p in pools]
+    slots = list(getattr(endpoints, "running_slots", None) or [None] * n)
+    slot_sems = [asyncio.Semaphore(k) if (token_cost is not None and k) else None for k in slots]
     if token_cost is not None:
         for i, (sid, ids) in enumerate(prompts):
             b = budgets[i % n]
@@ -241,17 +247,19 @@ async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tup
         async def one(i: int, sid: str, ids: list[int]):
             b = budgets[i % n]
             cost = token_cost(ids) if b is not None else 0
-            async with sem:
+            # the server's own limits first, so a request waiting for its server holds no global slot
+            async with slot_sems[i % n] or contextlib.nullcontext():
                 if b is not None:
                     await b.acquire(cost)
                 try:
-                    out = await fn(client, i, sid, ids)
+                    async with sem:
+                        out = await fn(client, i, sid, ids)
                 finally:
                     if b is not None:
                         await b.release(cost)
-                if progress is not None:
-                    progress(1)
-                return out
+            if progress is not None:
+                progress(1)
+            return out
 
         return list(await asyncio.gather(*(one(i, sid, ids) for i, (sid, ids) in enumerate(prompts))))
 
