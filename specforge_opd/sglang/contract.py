@@ -381,8 +381,13 @@ def parse_generate_response(
 class NativeStep:
     """One verify step as the native plugin reports it (SGLang's own DFLASH decoding).
 
-    ``draft_logprob`` is None when the plugin could not read unadjusted verify logits
-    for that step (see ``native.step_payloads``).
+    Attributes:
+        anchor: position of slot 0 (the previous bonus token) in prompt + output.
+        draft: the bs-1 drafted token ids d_1..d_{bs-1}.
+        accepted: r in 0..bs-1, the drafts SGLang accepted (its ``accept_lens`` - 1).
+        draft_logprob: bs-1 floats, the teacher's log p(d_k | slot 0, d_<k) at
+            temperature 1; None when the plugin could not read unadjusted verify
+            logits for that step (see ``native.step_payloads``).
     """
 
     anchor: int

@@ -166,7 +166,12 @@ def step_payloads(
 
 
 def customized_info_of(payloads: list[dict]) -> dict:
-    """``customized_info`` layout: key -> one value per request in the batch."""
+    """``customized_info`` layout: key -> a list with one value per request of the batch, in batch order.
+
+    SGLang's scheduler appends ``value[i]`` to request i's ``req.customized_info[key]``
+    each step (``_maybe_collect_customized_info``): ``opd_anchor`` int, ``opd_draft``
+    bs-1 ints, ``opd_accepted`` int, ``opd_draft_logprob`` bs-1 floats or None.
+    """
     return {k: [p[k] for p in payloads] for k in NATIVE_STEP_FIELDS}
 
 

@@ -119,6 +119,7 @@ class HTTPTarget:
         self.columns = columns
 
     def _ours(self, rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """float32 [n, server feature dim] -> [n, drafter feature dim] (repeated layers' columns repeated)."""
         return rows if rows is None or self.columns is None else rows[:, self.columns]
 
     async def prefill(self, prompt_ids: list[int]) -> PrefillResult:
