@@ -375,7 +375,9 @@ def recompute_from_target(
             past_key_values=cache,
             use_cache=True,
         )
-        cache.crop(S)
+        # back to the context; a negative count removes that many tokens in every transformers 5.x
+        # (a positive length is deprecated from 5.17)
+        cache.crop(-(g1 - g0) * n)
         h = out.last_hidden_state[0]  # [(g1-g0)*n, H]
         if form == "full":
             hidden[g0:g1] = h.view(g1 - g0, n, H)
