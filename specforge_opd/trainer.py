@@ -9,7 +9,9 @@
 3. FSDP2 (``fully_shard`` per drafter layer, then the root), AdamW, SpecForge's
    cosine-with-warmup schedule; resume from the latest checkpoint;
 4. per step: global denominators from accepted counts (no forward needed),
-   per-sequence replay forward + chunked lm_head/KL + backward, clip, step;
+   per sequence: replay forwards of at most ``training.max_blocks_per_forward``
+   blocks, each with its chunked lm_head/KL and its own backward (every rank runs
+   as many as the rank with the most, ``step_group_counts``), clip, step;
    non-finite guard; metrics; periodic checkpoints;
 5. HF export through ``drafter.save_drafter``.
 
