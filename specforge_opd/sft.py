@@ -63,6 +63,115 @@ class SFTError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------
+# several nodes
+
+#: Node 0's record of the SpecForge launch the other nodes join (``<output.dir>/LAUNCH_FILE``).
+LAUNCH_FILE = "multinode_launch.json"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The nodes the SFT train step spans (torchrun's rendezvous, by its environment names).
+
+    Attributes:
+        nnodes: ``NNODES`` (1: this node alone); node_rank: ``NODE_RANK`` (0..nnodes-1);
+        master_addr: ``MASTER_ADDR``, node 0's address; master_port: ``MASTER_PORT`` (29500).
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: int = 29500
+
+
+def nodes_from_env(env: Optional[dict] = None) -> Nodes:
+    """Read ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (``os.environ`` by default).
+
+    Raises:
+        SFTError: a value that is not a number in range, or NNODES > 1 without MASTER_ADDR / NODE_RANK.
+    """
+    env = os.environ if env is None else env
+
+    def num(name: str, default: int, lo: int, hi: Optional[int] = None) -> int:
+        raw = str(env.get(name, "") or default)
+        if not raw.isdigit() or int(raw) < lo or (hi is not None and int(raw) > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise SFTError(f"{name}={raw!r}: must be an integer {rng}")
+        return int(raw)
+
+    nnodes = num("NNODES", 1, 1)
+    if nnodes == 1:
+        return Nodes()
+    if not env.get("MASTER_ADDR"):
+        raise SFTError(f"NNODES={nnodes} needs MASTER_ADDR: the address of the node with NODE_RANK=0")
+    if not str(env.get("NODE_RANK", "")):
+        raise SFTError(f"NNODES={nnodes} needs NODE_RANK: this node's rank, 0..{nnodes - 1}")
+    return Nodes(nnodes, num("NODE_RANK", 0, 0, nnodes - 1), str(env["MASTER_ADDR"]), num("MASTER_PORT", 29500, 1, 65535))
+
+
+def _specforge_train_cmd(run_yaml: Path) -> tuple[list[str], dict]:
+    from .adapter import specforge_cli_module
+
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return [sys.executable, "-m", specforge_cli_module(), "train", "-c", str(run_yaml)], env
+
+
+def _publish_launch(out: Path, run_yaml: Optional[Path] = None, *, end: bool = False, error: Optional[str] = None) -> None:
+    """Node 0: tell the other nodes to join a SpecForge launch of ``run_yaml``, or (``end``) that the stage is over."""
+    import uuid
+
+    atomic_write_json(out / LAUNCH_FILE, {"id": uuid.uuid4().hex, "time": time.time(), "end": end, "error": error,
+                                          "run_yaml": None if run_yaml is None else str(run_yaml)})
+
+
+def follow_node0(out: Path, *, poll_s: float = 5.0, idle_timeout_s: float = 86400.0) -> Path:
+    """A node with NODE_RANK > 0: join every SpecForge launch node 0 publishes under ``out``, until it ends.
+
+    Node 0 alone writes responses, features, validation points and the export: they need one
+    writer, and the other nodes only add GPUs to SpecForge's training (its torchrun rendezvous
+    waits for them). ``out`` (``output.dir``) must be on a filesystem every node sees, with the
+    target at the same path. A record that was there before this node started is joined unless it
+    is an end record (a finished earlier run).
+
+    Returns:
+        ``out / "final"``, which node 0 writes.
+    Raises:
+        SFTError: a SpecForge launch failed here, node 0 ended with an error, or no launch came
+            for ``idle_timeout_s`` seconds.
+    """
+    f = out / LAUNCH_FILE
+    started, seen, waited_since = time.time(), None, time.time()
+    print(f"[sft node] following node 0's SpecForge launches in {f}", flush=True)
+    while True:
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            rec = None
+        if rec is not None and rec["id"] != seen:
+            seen = rec["id"]
+            if rec["end"]:
+                if rec["time"] >= started:
+                    if rec.get("error"):
+                        raise SFTError(f"sft: node 0 stopped with an error ({rec['error']}); fix it there and start every node again")
+                    print("[sft node] node 0 finished the stage", flush=True)
+                    return out / "final"
+            else:
+                cmd, env = _specforge_train_cmd(Path(rec["run_yaml"]))
+                print(f"[sft node] joining: {' '.join(cmd)}", flush=True)
+                rc = subprocess.call(cmd, env=env)
+                if rc != 0:
+                    raise SFTError(f"sft train: SpecForge exited with status {rc} on this node (its log is above; "
+                                   f"run.yaml: {rec['run_yaml']})")
+            waited_since = time.time()
+        if time.time() - waited_since > idle_timeout_s:
+            raise SFTError(f"sft: node 0 published no SpecForge launch in {f} for {idle_timeout_s:.0f} s; is it running "
+                           "with the same output.dir on a shared filesystem?")
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------------------
 # small durable-file helpers
 
 
@@ -593,19 +702,27 @@ def sft_steps(cfg: ExperimentConfig, num_samples: int, gpus: int) -> tuple[int, 
 
 
 def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_config_file: Path, features: Path,
-                         out_dir: Path, num_samples: int, mask_token_id: int, gpus: int) -> dict:
+                         out_dir: Path, num_samples: int, mask_token_id: int, gpus: int,
+                         nodes: Optional[Nodes] = None) -> dict:
     """The SpecForge run config (``specforge/config/schema.py``) of the SFT train step.
 
     CPU: ``attention_backend: sdpa`` (flex_attention has no CPU backward) and
     ``fsdp_sharding: NO_SHARD`` (FSDP1 refuses a CPU), no loader workers.
-    GPU: one process per GPU, SpecForge's FSDP default. ``sft.specforge_overrides``
+    GPU: one process per GPU, SpecForge's FSDP default; with ``nodes`` spanning
+    several, ``deployment.trainer.{nnodes, master_addr, master_port}`` (every node's
+    SpecForge reads its own rank from ``NODE_RANK``, so one run.yaml serves all) and
+    the step counts of ``gpus x nnodes`` ranks. ``sft.specforge_overrides``
     (dotted keys) apply last.
 
     Raises:
         ConfigError: an override names a key outside the nesting it must extend.
+        SFTError: several nodes without GPUs.
     """
     t = cfg.training
-    steps_per_epoch, num_epochs, total = sft_steps(cfg, num_samples, gpus)
+    nodes = nodes or Nodes()
+    if nodes.nnodes > 1 and gpus == 0:
+        raise SFTError(f"NNODES={nodes.nnodes}: a multi-node SFT needs GPUs (target.device); run it on one node on a CPU")
+    steps_per_epoch, num_epochs, total = sft_steps(cfg, num_samples, gpus * nodes.nnodes)
     run = {
         "run_id": SPECFORGE_RUN_ID,
         "output_dir": str(out_dir),
@@ -650,6 +767,9 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
         run["data"]["dataloader_num_workers"] = 0
     else:
         run["deployment"] = {"trainer": {"nproc_per_node": gpus}}
+        if nodes.nnodes > 1:
+            run["deployment"]["trainer"].update(nnodes=nodes.nnodes, master_addr=nodes.master_addr,
+                                                master_port=nodes.master_port)
     if cfg.output.tensorboard and gpus > 0:
         run["tracking"] = {"report_to": "tensorboard"}
     from .config import apply_override
@@ -695,8 +815,6 @@ def run_train(d: Path, run: dict, cfg: ExperimentConfig, gpus: int) -> dict:
     """
     import yaml
 
-    from .adapter import specforge_cli_module
-
     ckpts = Path(run["output_dir"])
     latest = latest_checkpoint(ckpts)
     if latest is not None:
@@ -707,10 +825,9 @@ def run_train(d: Path, run: dict, cfg: ExperimentConfig, gpus: int) -> dict:
     validate_specforge_run(run)
     run_yaml = d / "run.yaml"
     atomic_write_bytes(run_yaml, yaml.safe_dump(run, sort_keys=False).encode())
-    cmd = [sys.executable, "-m", specforge_cli_module(), "train", "-c", str(run_yaml)]
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd, env = _specforge_train_cmd(run_yaml)
+    if run.get("deployment", {}).get("trainer", {}).get("nnodes", 1) > 1:
+        _publish_launch(d.parent, run_yaml)  # the other nodes join this launch (follow_node0)
     print(f"[sft train] {' '.join(cmd)}", flush=True)
     rc = subprocess.call(cmd, env=env)
     if rc != 0:
@@ -1078,9 +1195,41 @@ def _load_val_prompts(cfg: ExperimentConfig) -> list:
     return val
 
 
-def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
-            target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None,
-            max_steps_for: Optional[Callable[[list], int]] = None) -> Path:
+def run_sft(cfg: ExperimentConfig, **kwargs) -> Path:
+    """Run the SFT stage end to end on this node (``_run_sft``: arguments, outputs, errors).
+
+    With ``NNODES`` > 1 (``nodes_from_env``) every node runs this: node 0 runs the stage,
+    the others join its SpecForge training (``follow_node0``); ``output.dir`` must be on a
+    filesystem every node sees. Returns ``<output.dir>/final``.
+
+    Raises:
+        SFTError, ConfigError, DrafterError: with the step and the fix named.
+    """
+    nodes = nodes_from_env()
+    if nodes.nnodes == 1:
+        return _run_sft(cfg, **kwargs)
+    if not on_gpu(cfg):
+        raise SFTError(f"NNODES={nodes.nnodes}: a multi-node SFT needs GPUs (target.device); run it on one node on a CPU")
+    if cfg.sft.plateau_patience:
+        # node 0 decides alone when the plateau stops training; the others could not know
+        raise SFTError(f"NNODES={nodes.nnodes} with sft.plateau_patience={cfg.sft.plateau_patience}: set "
+                       "sft.plateau_patience=0 (and sft.max_steps) for a multi-node SFT")
+    out = Path(cfg.resolve_path(cfg.output.dir))
+    if nodes.node_rank > 0:
+        return follow_node0(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        final = _run_sft(cfg, **kwargs)
+    except BaseException as e:
+        _publish_launch(out, end=True, error=f"{type(e).__name__}: {e}"[:500])
+        raise
+    _publish_launch(out, end=True)
+    return final
+
+
+def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
+             target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None,
+             max_steps_for: Optional[Callable[[list], int]] = None) -> Path:
     """Run the SFT stage end to end; returns the exported HF DFlash directory ``<output.dir>/final``.
 
     ``bundle`` (a ``TargetBundle``-like object with ``model``, ``tokenizer``,
@@ -1157,6 +1306,9 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
     t_inputs = {"features": f_key, "draft": dcfg_dict, "training": cfg.training.model_dump(mode="json"),
                 "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus,
                 "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
+    nodes = nodes_from_env()
+    if nodes.nnodes > 1:  # the step counts change with the ranks (one node keeps its earlier keys)
+        t_inputs["nnodes"] = nodes.nnodes
     val_tok: list = []
     if cfg.sft.val_prompts:
         val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg)
@@ -1175,7 +1327,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
         if not dfile.is_file() or dfile.read_text() != text:
             atomic_write_bytes(dfile, text.encode())
         run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
-                                   out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus)
+                                   out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus,
+                                   nodes=nodes)
         if not val_tok:
             return run_train(t_dir, run, cfg, gpus)
         from .validation import ValidationSet
@@ -1192,7 +1345,8 @@ def run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] =
                              captured_here=r_dir.resolve().is_relative_to(out.resolve()))
             return init.add(here).drafter_budget
 
-        return run_train_validated(t_dir, run, cfg, gpus, num_samples=n_samples, valset=valset, target_config=target_config,
+        # segment ends count the steps of every rank on every node
+        return run_train_validated(t_dir, run, cfg, gpus * nodes.nnodes, num_samples=n_samples, valset=valset, target_config=target_config,
                                    flops_at=flops_at, tensorboard_dir=out / "tensorboard" if cfg.output.tensorboard else None,
                                    plot_path=out / "sft_curve.png")
 
