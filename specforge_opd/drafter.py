@@ -394,20 +394,22 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
     fp32 master weights).
 
     Args:
-        target_dtype: ``target.dtype`` of this run; a drafter whose ``config.json`` declares
-            another dtype is refused (it was exported for a target served in that dtype).
-            None: not checked.
+        target_dtype: ``target.dtype`` of this run. A drafter whose ``config.json`` declares
+            the other half precision (bfloat16 against float16) is refused: it was exported
+            for a target served in that dtype. float32 on either side is accepted (SpecForge's
+            own exports always declare bfloat16, and loading into the fp32 model is exact);
+            ``save_drafter`` re-exports in the target's dtype. None: not checked.
 
     Raises:
-        DrafterError: not a DFlash directory, incompatible with the target, a declared
-            dtype other than ``target_dtype``, or weights that do not match the architecture.
+        DrafterError: not a DFlash directory, incompatible with the target, bfloat16 against
+            float16, or weights that do not match the architecture.
     """
     p = drafter_path(path)
     if not p.exists():
         raise DrafterError(f"drafter path {p} does not exist (draft.path)")
     config = load_draft_config(p)
     have = drafter_dtype(config)
-    if target_dtype is not None and have is not None and have != target_dtype:
+    if {have, target_dtype} == {"bfloat16", "float16"}:
         raise DrafterError(f"drafter {p}: config.json dtype={have}, but target.dtype={target_dtype}; set "
                            f"target.dtype={have} (the dtype it was exported for), or re-export it with save_drafter(..., dtype={target_dtype!r})")
     if target_config is not None:

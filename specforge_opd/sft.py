@@ -1051,7 +1051,8 @@ def load_any_drafter(path: str | os.PathLike, target_config, *, expected_mask_to
     link / run directory, a SpecForge HF export, our export, or a published
     DFlash directory. Compatibility with the target (hidden size, target layer
     count, vocabulary, mask token) is checked before use; with ``target_dtype``
-    (``target.dtype``) an HF directory whose ``config.json`` declares another dtype is refused.
+    (``target.dtype``) an HF directory whose ``config.json`` declares the other half precision
+    (bfloat16 against float16) is refused (``drafter.load_drafter``).
 
     Raises:
         DrafterError: the path holds no drafter, or what does not fit the target.

@@ -59,11 +59,15 @@ def test_export_refuses_a_non_float_dtype(tmp_path, tiny_drafter):
     assert not (tmp_path / "d").exists()
 
 
-def test_load_refuses_another_target_dtype(tmp_path, tiny_target, tiny_drafter):
+def test_load_refuses_the_other_half_precision(tmp_path, tiny_target, tiny_drafter):
     out = save_drafter(tiny_drafter, tmp_path / "d", dtype="bfloat16")
-    with pytest.raises(DrafterError, match=r"dtype=bfloat16, but target.dtype=float32; set target.dtype=bfloat16"):
-        load_drafter(out, target_config=tiny_target.config, target_dtype="float32")
+    with pytest.raises(DrafterError, match=r"dtype=bfloat16, but target.dtype=float16; set target.dtype=bfloat16"):
+        load_drafter(out, target_config=tiny_target.config, target_dtype="float16")
     load_drafter(out, target_config=tiny_target.config)  # no target dtype given: not checked
+    # float32 on either side loads (SpecForge's exports always declare bfloat16)
+    load_drafter(out, target_config=tiny_target.config, target_dtype="float32")
+    fp32 = save_drafter(tiny_drafter, tmp_path / "e")
+    load_drafter(fp32, target_config=tiny_target.config, target_dtype="bfloat16")
 
 
 def test_load_bf16_weights_under_a_float32_config(tmp_path, tiny_target, tiny_drafter):
