@@ -29,7 +29,7 @@ VOCAB, MASK = 2048, 2047
 
 class LargestTensor(TorchDispatchMode):
     """Records the largest storage any op allocates (parameters, buffers and inputs excluded) and
-    every 2-D trailing shape seen, on the CPU."""
+    every trailing 2-D shape of a float or bool tensor (activations, masks), on the CPU."""
 
     def __init__(self, *modules, inputs=()):
         super().__init__()
@@ -41,7 +41,7 @@ class LargestTensor(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                if t.dim() >= 2:
+                if t.dim() >= 2 and (t.is_floating_point() or t.dtype == torch.bool):  # activations and masks, not ids
                     self.shapes.add(tuple(t.shape[-2:]))
                 st = t.untyped_storage()
                 if st.data_ptr() not in self.skip and st.nbytes() > self.bytes:
@@ -263,3 +263,26 @@ def test_step_group_counts_are_the_same_on_every_rank():
     # step 1: record 4 on rank 0 only; rank 1 pads with record 4 as well
     assert step_group_counts(order, 1, records, 2) == [[2], [2]]
     assert step_group_counts(order, 0, records, 512) == [[1], [1]]
+
+
+def test_grouped_replay_never_allocates_all_blocks_at_once(wide):
+    """Counted on the CPU, forward and backward: one forward over all M blocks holds [M*bs, ...]
+    activations and an [M*bs, S + M*bs] mask; in groups of 2 no tensor has M*bs rows."""
+    target, drafter = wide
+    drafter = drafter.train()
+    rec = _record(target, drafter_layer_ids(drafter), "full", response_len=120)
+    plan = plan_slots(rec.accepted, rec.block_size)
+    coef = slot_coefficients(plan, plan.n_acc(), plan.w_rej())
+    Q = rec.num_blocks * rec.block_size
+    peaks = {}
+    for G in (None, 2):
+        m = LargestTensor(target, drafter)
+        with m:
+            for loss, _, _ in sequence_group_losses(drafter, target.model.embed_tokens, target.lm_head.weight, rec, plan, coef,
+                                                    mask_token_id=MASK, chunk_slots=7, max_blocks_per_forward=G):
+                loss.backward()
+        drafter.zero_grad(set_to_none=True)
+        peaks[G] = m
+    assert any(Q in s for s in peaks[None].shapes)
+    assert not any(Q in s for s in peaks[2].shapes)
+    assert peaks[2].bytes * 3 < peaks[None].bytes
