@@ -342,13 +342,15 @@ def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
 
     Both published layouts are accepted: ``block_size`` at the top level or inside
     ``dflash_config`` (SGLang reads either, ``dflash_config`` first); the result has
-    it at the top level, where SpecForge's model reads it. ``layer_types`` are the
+    it at the top level, where SpecForge's model reads it. ``mask_token_id``,
+    ``target_layer_ids`` and ``num_target_layers`` may likewise sit at either level (the
+    result has them in ``dflash_config``, and ``num_target_layers`` at the top level too). ``layer_types`` are the
     ones transformers derives when the file has none (``use_sliding_window``,
     ``max_window_layers``), as SGLang sees them.
 
     Raises:
         DrafterError: missing file, wrong architecture, missing ``dflash_config`` fields,
-            ``block_size`` missing or given twice with two values, a ``dtype`` that is not
+            ``block_size`` (or another field of either level) missing or given twice with two values, a ``dtype`` that is not
             float32/bfloat16/float16, or a feature the OPD replay does not implement
             (sliding-window or causal layers, DFlash2-style ``dflash_config`` extensions).
     """
@@ -361,10 +363,19 @@ def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
     if arch != ["DFlashDraftModel"]:
         raise DrafterError(f"drafter {path}: architectures={arch}, expected ['DFlashDraftModel'] "
                            "(other DFlash variants, such as DFlash2DraftModel, are not supported)")
-    dfc = payload.get("dflash_config") or {}
+    dfc = dict(payload.get("dflash_config") or {})
+    for k in ("mask_token_id", "target_layer_ids", "num_target_layers"):
+        # SGLang reads these from dflash_config first, then from the top level; SpecForge's model
+        # reads dflash_config only: gather them there (num_target_layers at the top level too)
+        if k in dfc and payload.get(k) is not None and payload[k] != dfc[k]:
+            raise DrafterError(f"drafter {path}: config.json {k}={payload[k]} and dflash_config.{k}={dfc[k]} disagree "
+                               "(SGLang uses dflash_config's); make them equal")
+        if k not in dfc and payload.get(k) is not None:
+            dfc[k] = payload[k]
     for k in ("mask_token_id", "target_layer_ids"):
         if k not in dfc:
             raise DrafterError(f"drafter {path}: config.json lacks dflash_config.{k}")
+    payload["dflash_config"] = dfc
     payload["block_size"] = _block_size(payload, dfc, path)
     dtype = _config_dtype(payload, path)
     payload.pop("torch_dtype", None)
@@ -372,7 +383,7 @@ def load_draft_config(path: str | os.PathLike) -> Qwen3Config:
         payload["dtype"] = dtype
     payload.pop("auto_map", None)
     payload["tie_word_embeddings"] = False
-    payload.setdefault("num_target_layers", max(dfc["target_layer_ids"]) + 1)
+    payload["num_target_layers"] = dfc.get("num_target_layers", max(dfc["target_layer_ids"]) + 1)
     config = Qwen3Config(**payload)
     _check_supported(config, dfc, path)
     return config

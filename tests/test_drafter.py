@@ -188,3 +188,23 @@ def test_causal_drafter_refused(tmp_path, tiny_drafter):
     _rewrite_config(out, is_causal=True)
     with pytest.raises(DrafterError, match="is_causal=true"):
         load_draft_config(out)
+
+
+def test_dflash_fields_at_either_level(tmp_path, tiny_target, tiny_drafter):
+    """SGLang reads mask_token_id, target_layer_ids and num_target_layers from dflash_config, then from the
+    top level; a config with num_target_layers only inside dflash_config must not be taken for a drafter of
+    max(layer id) + 1 target layers."""
+    out = save_drafter(tiny_drafter, tmp_path / "d")
+    cfg = _config(out)
+    ids, n = cfg["dflash_config"]["target_layer_ids"], cfg["num_target_layers"]
+    assert n > max(ids) + 1  # the tiny target has a layer after the last captured one
+    _rewrite_config(out, num_target_layers=None, dflash_config=dict(cfg["dflash_config"], num_target_layers=n))
+    assert load_draft_config(out).num_target_layers == n
+    load_drafter(out, target_config=tiny_target.config)
+    _rewrite_config(out, dflash_config={"num_target_layers": n}, mask_token_id=cfg["dflash_config"]["mask_token_id"],
+                    target_layer_ids=ids)
+    back = load_draft_config(out)
+    assert back.dflash_config["target_layer_ids"] == ids and back.dflash_config["mask_token_id"] == 96
+    _rewrite_config(out, dflash_config={"num_target_layers": n, "mask_token_id": 95})
+    with pytest.raises(DrafterError, match="mask_token_id=96 and dflash_config.mask_token_id=95 disagree"):
+        load_draft_config(out)
