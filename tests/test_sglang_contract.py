@@ -271,6 +271,16 @@ def test_spec_verify_ct_omitted_at_zero_steps_and_retraction_count_reported(src)
     assert "reserve = 2 * block_size" in src.text("sglang.srt.speculative.dflash_info_v2")
 
 
+def test_hidden_states_of_middle_prefill_chunks_are_dropped_as_the_standin_does(src):
+    """A request's prefill hidden states are stored only when its output commits, which a middle chunk's does not
+    (``inflight_middle_chunks > 0``): the stand-in's ``chunked_prefill_size`` returns the last chunk's rows only."""
+    m = "sglang.srt.managers.scheduler_components.batch_result_processor"
+    pre = _compact(src.func_src(m, "process_batch_result_prefill", "SchedulerBatchResultProcessor"))
+    assert "should_commit_output=(notreq.finished()andnotreq.is_retractedandreq.inflight_middle_chunks<=0)" in pre
+    assert "store=(should_commit_outputanddiscard_finish_reasonisNone)," in pre
+    assert "self.chunked_req.inflight_middle_chunks+=1" in _compact(src.text("sglang.srt.managers.scheduler"))
+
+
 def test_layer_ids_get_the_plus_one_in_sglangs_models(src):
     for module, cls in (("sglang.srt.models.qwen3", "Qwen3ForCausalLM"), ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM"),
                         ("sglang.srt.models.llama", "LlamaForCausalLM")):

@@ -354,3 +354,16 @@ def test_launcher_names_sglang_python_when_it_has_no_sglang(tmp_path):
     cfg = _cfg(python=sys.executable)  # launch_module stays sglang.launch_server
     with pytest.raises(ServerError, match="sglang.python=.*cannot import 'sglang'"):
         SGLangServer(cfg, lambda port: [], log_path=tmp_path / "s.log").start()
+
+
+def test_prefill_longer_than_a_chunk_is_named():
+    """0.5.23 runs an extend longer than --chunked-prefill-size in chunks and keeps the hidden states of the last chunk
+    only: the client names the flag to raise instead of a bare shape mismatch. Extends within the chunk size (the
+    verify steps after a cached prefix) are unaffected."""
+    target = make_tiny_target()
+    backend = StandinBackend(target, aux_layer_ids=server_layer_ids(LAYERS), chunked_prefill_size=5)
+    with ThreadedStandin(make_app(backend)) as srv:
+        recs = _run_http(srv.url, OracleDrafter(target, BS, seed=1), prompts=PROMPTS[:2], teacher="token", max_new=6)
+        assert all(r.features is not None for r in recs)
+        with pytest.raises(ContractError, match=r"hidden_states\[0\]`: 1 rows < input 6 .*--chunked-prefill-size"):
+            _run_http(srv.url, OracleDrafter(target, BS, seed=1), prompts=PROMPTS[2:], teacher="token", max_new=6)

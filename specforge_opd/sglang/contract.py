@@ -363,6 +363,16 @@ def parse_generate_response(
             t = torch.tensor(rows, dtype=torch.float32)
         except (TypeError, ValueError) as e:
             raise ContractError("meta_info.hidden_states[0]", f"not a numeric matrix ({e})", v) from None
+        if t.dim() == 2 and t.shape[1] == feature_dim and 0 < t.shape[0] < n_rows:
+            raise ContractError(
+                "meta_info.hidden_states[0]",
+                f"{t.shape[0]} rows < input {n_input} - cached {out.cached_tokens} = {n_rows}: SGLang keeps the hidden "
+                "states of a request's last prefill chunk only, so an extend longer than its --chunked-prefill-size "
+                "(2048 to 8192 by GPU memory unless set) loses the rows of the earlier chunks; add "
+                "'--chunked-prefill-size', 'N' to sglang.extra_args with N above the longest prompt + "
+                "rollout.max_new_tokens",
+                v,
+            )
         if t.dim() != 2 or tuple(t.shape) != (n_rows, feature_dim):
             raise ContractError(
                 "meta_info.hidden_states[0]",

@@ -81,11 +81,15 @@ class StandinBackend:
         running_slots: the requests ``/server_info`` says the server decodes at once
             (``max_running_requests`` and ``internal_states[0].effective_max_running_requests_per_dp``;
             0.5.23's DFLASH default is 48).
+        chunked_prefill_size: ``--chunked-prefill-size``: an extend longer than this runs in
+            chunks, and 0.5.23 returns the hidden states of the last chunk only (None: no chunking).
     """
 
     def __init__(self, target, *, aux_layer_ids: Optional[list[int]] = None, drafter=None, block_size: Optional[int] = None,
                  force_stream_interval: Optional[int] = None, request_level: Callable[[str], bool] = is_request_level_key,
-                 retract_after_steps: Optional[int] = None, pool_tokens: int = 65536, running_slots: int = 48):
+                 retract_after_steps: Optional[int] = None, pool_tokens: int = 65536, running_slots: int = 48,
+                 chunked_prefill_size: Optional[int] = None):
+        self.chunked_prefill_size = chunked_prefill_size
         self.pool_tokens = int(pool_tokens)
         self.running_slots = int(running_slots)
         self.target = target.eval()
@@ -171,7 +175,12 @@ class StandinBackend:
         if body.get("return_hidden_states") and self.aux_layer_ids:
             # SGLang's models capture "before layer k + 1" for id k: HF index k + 1
             feats = torch.cat([out.hidden_states[k + SGLANG_CAPTURE_OFFSET][0] for k in self.aux_layer_ids], -1).float()
-            meta["hidden_states"] = [feats[cached:].tolist()]
+            first = cached
+            c = self.chunked_prefill_size
+            if c is not None and c > 0 and n - cached > c:
+                # earlier chunks' hidden states are not stored (inflight_middle_chunks > 0): the last chunk's only
+                first = n - ((n - cached - 1) % c + 1)
+            meta["hidden_states"] = [feats[first:].tolist()]
         return {"output_ids": [nxt], "meta_info": meta}
 
     @torch.inference_mode()
