@@ -289,6 +289,14 @@ def test_layer_ids_get_the_plus_one_in_sglangs_models(src):
         offsets = [n.elt.right.value for n in comps if isinstance(n.elt, ast.BinOp) and isinstance(n.elt.op, ast.Add)
                    and isinstance(n.elt.right, ast.Constant)]
         assert offsets == [contract.SGLANG_CAPTURE_OFFSET], f"{cls}.set_dflash_layers_to_capture adds {offsets}, the stand-in adds {contract.SGLANG_CAPTURE_OFFSET}"
+    # captured inside the layer loop: the concatenation is in ascending layer order (server_layer_ids sorts)
+    for module in ("sglang.srt.models.qwen3", "sglang.srt.models.llama"):
+        c = _compact(src.text(module))
+        assert "foriinrange(self.start_layer,self.end_layer):" in c and \
+            "capture_output=aux_hidden_states.captureifiinself.layers_to_captureelseNone" in c, f"{module}: capture moved"
+    moe = _compact(src.text("sglang.srt.models.qwen2_moe"))  # Qwen3MoeModel's forward
+    assert "captured_last_layer_outputs=aux_hidden_statesifgetattr(layer,\"_is_layer_to_capture\",False)" in moe
+    assert "classQwen3MoeModel(Qwen2MoeModel):" in _compact(src.text("sglang.srt.models.qwen3_moe"))
     # capture-only mode hands the ids to the DFLASH convention unchanged
     aux = src.text("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state")
     assert "config.dflash_target_layer_ids = list(layer_ids)" in aux

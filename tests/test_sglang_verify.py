@@ -367,3 +367,24 @@ def test_prefill_longer_than_a_chunk_is_named():
         assert all(r.features is not None for r in recs)
         with pytest.raises(ContractError, match=r"hidden_states\[0\]`: 1 rows < input 6 .*--chunked-prefill-size"):
             _run_http(srv.url, OracleDrafter(target, BS, seed=1), prompts=PROMPTS[2:], teacher="token", max_new=6)
+
+
+def test_unsorted_layer_ids_get_the_servers_ascending_columns_back_in_our_order():
+    """SGLang's models capture inside their layer loop, so the aux hidden states come back in ascending layer order
+    whatever order --return-aux-hidden-state-layer-ids lists: a drafter with unsorted ids gets its own order back."""
+    from specforge_opd.sglang.contract import feature_columns
+
+    assert server_layer_ids([2, 0]) == [0, 2] and feature_columns([2, 0], 2).tolist() == [2, 3, 0, 1]
+    target = make_tiny_target()
+    layers = [2, 0]
+    with ThreadedStandin(make_app(StandinBackend(target, aux_layer_ids=server_layer_ids(layers)))) as srv:
+        recs = asyncio.run(verify_rollout_async(
+            Endpoints([srv.url]), OracleDrafter(target, BS, seed=3), PROMPTS[:2], sglang_cfg=_cfg(), max_new_tokens=8,
+            stop_token_ids=STOPS, teacher="token", teacher_topk=1, feature_dim=len(layers) * 64, layer_ids=layers,
+        ))
+    local = LocalTarget(target, layers, top_k=1)
+    for rec, (sid, ids) in zip(recs, PROMPTS[:2]):
+        ref = asyncio.run(speculate_sequence(local, OracleDrafter(target, BS, seed=3), ids, sample_id=sid, max_new_tokens=8,
+                                             stop_token_ids=STOPS, teacher="token", store_features=True))
+        assert torch.allclose(rec.features, ref.features, atol=1e-4)
+

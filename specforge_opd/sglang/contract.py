@@ -103,21 +103,24 @@ def version_tuple(v: str) -> tuple[int, ...]:
 
 
 def server_layer_ids(target_layer_ids: list[int], num_target_layers: Optional[int] = None) -> list[int]:
-    """Ids to pass to ``--return-aux-hidden-state-layer-ids`` for our ``target_layer_ids``: the same ids, each once.
+    """Ids to pass to ``--return-aux-hidden-state-layer-ids`` for our ``target_layer_ids``: the same ids, each
+    once, ascending.
 
     Our layer k is the output of decoder layer k (HF ``hidden_states[k + 1]``).
     SGLang's DFLASH capture convention adds the +1 itself (``SGLANG_CAPTURE_OFFSET``),
     so adding it here too would train on ``hidden_states[k + 2]`` with every
-    shape still fitting. SGLang refuses a repeated id, which small targets'
-    drafters can have (``[1, 1]``): the server captures each layer once, in
-    first-seen order, and ``feature_columns`` repeats the columns back.
+    shape still fitting. SGLang's models capture inside their layer loop
+    (``if i in self.layers_to_capture``), so the returned features are
+    concatenated in ascending layer order whatever order the ids are given in;
+    and SGLang refuses a repeated id, which small targets' drafters can have
+    (``[1, 1]``). ``feature_columns`` maps the server's columns back to ours.
 
     Raises:
         ValueError: a negative id, or, with ``num_target_layers``, the last decoder
             layer: its output is never captured, because the capture runs before
             layer k + 1, which does not exist.
     """
-    ids = list(dict.fromkeys(int(k) for k in target_layer_ids))
+    ids = sorted(set(int(k) for k in target_layer_ids))
     if any(k < 0 for k in ids):
         raise ValueError(f"draft target_layer_ids {ids}: SGLang needs non-negative layer ids")
     if num_target_layers is not None and any(k >= num_target_layers - 1 for k in ids):
@@ -131,11 +134,11 @@ def server_layer_ids(target_layer_ids: list[int], num_target_layers: Optional[in
 def feature_columns(target_layer_ids: list[int], hidden: int) -> Optional[torch.Tensor]:
     """Columns of the server's features (``server_layer_ids`` order) that give ours, [n_layers * hidden] int64.
 
-    None when the ids have no repeats (the server's columns are ours).
+    None when the ids are distinct and ascending (the server's columns are ours).
     """
     ids = [int(k) for k in target_layer_ids]
     uniq = server_layer_ids(ids)
-    if len(uniq) == len(ids):
+    if uniq == ids:
         return None
     pos = {k: j for j, k in enumerate(uniq)}
     return torch.cat([torch.arange(pos[k] * hidden, (pos[k] + 1) * hidden) for k in ids])

@@ -10,7 +10,8 @@ against the released wheel's source by ``tests/test_sglang_contract.py``):
   draft path; the algorithm is then reset to none (a verify server, no drafting);
 * aux hidden states: id k of ``--return-aux-hidden-state-layer-ids`` returns HF
   ``hidden_states[k + 1]``: the server applies the +1 itself
-  (``contract.SGLANG_CAPTURE_OFFSET``), so a client that shifts too shows it;
+  (``contract.SGLANG_CAPTURE_OFFSET``), so a client that shifts too shows it; the
+  layers come back concatenated in ascending order, whatever order the ids were given in;
 * ``POST /generate`` in verify form (``contract.verify_request``/``prefill_request``):
   top-k input log-probs, ``cached_tokens`` from an emulated radix cache (capped at
   ``logprob_start_len`` as SGLang does);
@@ -174,7 +175,8 @@ class StandinBackend:
             meta["output_token_logprobs"] = [[float(lp[-1, nxt]), nxt, None]]
         if body.get("return_hidden_states") and self.aux_layer_ids:
             # SGLang's models capture "before layer k + 1" for id k: HF index k + 1
-            feats = torch.cat([out.hidden_states[k + SGLANG_CAPTURE_OFFSET][0] for k in self.aux_layer_ids], -1).float()
+            # captured inside the layer loop: concatenated in ascending layer order, whatever the ids' order
+            feats = torch.cat([out.hidden_states[k + SGLANG_CAPTURE_OFFSET][0] for k in sorted(self.aux_layer_ids)], -1).float()
             first = cached
             c = self.chunked_prefill_size
             if c is not None and c > 0 and n - cached > c:
