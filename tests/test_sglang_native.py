@@ -285,6 +285,36 @@ def test_native_in_flight_bounded_by_the_servers_running_requests():
     assert len(recs) == 6 and peak == 2
 
 
+def test_kv_budget_waiters_stay_bounded_by_max_in_flight(monkeypatch):
+    """Every KV-budget release wakes all its waiters, so only requests holding a global slot may wait on it: with
+    thousands of prompts the wake-ups stay O(max_in_flight) per release, not O(prompts)."""
+    from types import SimpleNamespace
+
+    from specforge_opd.sglang import verify_client
+
+    waiting = {"now": 0, "peak": 0}
+    acquire = verify_client.TokenBudget.acquire
+
+    async def counted(self, n):
+        waiting["now"] += 1
+        waiting["peak"] = max(waiting["peak"], waiting["now"])
+        try:
+            await acquire(self, n)
+        finally:
+            waiting["now"] -= 1
+
+    monkeypatch.setattr(verify_client.TokenBudget, "acquire", counted)
+
+    async def fn(client, i, sid, ids):
+        await asyncio.sleep(0)
+        return sid
+
+    ep = SimpleNamespace(urls=["http://127.0.0.1:9"], pool_tokens=[10], running_slots=[None], url=lambda i: "http://127.0.0.1:9")
+    prompts = [(f"s{i}", [1, 2]) for i in range(300)]
+    out = asyncio.run(verify_client.for_each_prompt(ep, SGLangConfig(max_in_flight=4), prompts, fn, token_cost=lambda ids: 5))
+    assert out == [sid for sid, _ in prompts] and 1 <= waiting["peak"] <= 4
+
+
 def test_native_timeout_grows_with_max_new_tokens():
     target = make_tiny_target()
     backend = StandinBackend(target, drafter=OracleDrafter(target, BS), block_size=BS)

@@ -248,13 +248,14 @@ async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tup
         async def one(i: int, sid: str, ids: list[int]):
             b = budgets[i % n]
             cost = token_cost(ids) if b is not None else 0
-            # the server's own limits first, so a request waiting for its server holds no global slot
-            async with slot_sems[i % n] or contextlib.nullcontext():
+            # the server's slots first (a FIFO semaphore: a request waiting for its server holds no global
+            # slot), then a global slot, then KV tokens (so at most max_in_flight requests wait on the budget,
+            # whose release wakes every waiter)
+            async with slot_sems[i % n] or contextlib.nullcontext(), sem:
                 if b is not None:
                     await b.acquire(cost)
                 try:
-                    async with sem:
-                        out = await fn(client, i, sid, ids)
+                    out = await fn(client, i, sid, ids)
                 finally:
                     if b is not None:
                         await b.release(cost)
