@@ -3,6 +3,9 @@
 #
 #   scripts/gpu_check.sh [--cpu]        # results: $OUT/gpu_check.json (OUT defaults to ./gpu_check_out)
 #
+# On a lent GPU machine: run it as the whole command (it reads $OUT), with a timeout of about
+# 330 s; the section logs and files come back under $OUT even when a section times out.
+#
 # The GPU machine gets the working tree only: Python 3.12, torch, transformers and triton,
 # no pydantic, no SpecForge, no network. The wheels in gpu_wheels/ (scripts/fetch_gpu_wheels.sh
 # fills it; pydantic + pydantic-core for cp312 and cp311, SpecForge with no dependencies) are
@@ -31,9 +34,13 @@ fi
 OUT="${OUT:-$HERE/gpu_check_out}"
 WHEELS="${GPU_CHECK_WHEELS:-$HERE/gpu_wheels}"
 mkdir -p "$OUT"
-PARTS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
-SITE="$PARTS/site"
-trap 'rm -rf "$PARTS"' EXIT
+# Section files live under $OUT (rewritten during a section, so even a killed run leaves them);
+# the site directory is temporary.
+PARTS="$OUT/parts"
+rm -rf "$PARTS" && mkdir -p "$PARTS"
+TMP_SITE="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
+SITE="$TMP_SITE/site"
+trap 'rm -rf "$TMP_SITE"' EXIT
 START=$(date +%s)
 META="{\"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"command\": \"scripts/gpu_check.sh $*\", \"cpu\": $([ $CPU = 1 ] && echo true || echo false), \"commit\": \"$(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo unknown)\"}"
 
