@@ -286,3 +286,12 @@ def test_grouped_replay_never_allocates_all_blocks_at_once(wide):
     assert any(Q in s for s in peaks[None].shapes)
     assert not any(Q in s for s in peaks[2].shapes)
     assert peaks[2].bytes * 3 < peaks[None].bytes
+
+
+def test_flex_mask_function_traces_without_graph_breaks():
+    """What ``create_block_mask(_compile=True)`` needs on a GPU: one graph, no break. The context length
+    is a tensor, so a new sequence changes an input of that graph, not a constant baked into it."""
+    bm = dflash_flex_block_mask(torch.tensor([3, 4, 9]), 10, 4, "cpu", compile=False)
+    zero = torch.zeros((), dtype=torch.long)
+    ex = torch._dynamo.explain(bm.mask_mod)(zero, zero, torch.arange(12).view(-1, 1), torch.arange(22).view(1, -1))
+    assert ex.graph_count == 1 and ex.graph_break_count == 0
