@@ -206,7 +206,8 @@ def test_verify_logits_hazards_are_the_ones_we_handle(src):
 
 def test_plugin_loading_and_its_failure_messages(src):
     p = src.text("sglang.srt.plugins")
-    assert 'GENERAL_PLUGINS_GROUP = "sglang.srt.plugins"' in p and "SGLANG_PLUGINS" in p
+    assert f'GENERAL_PLUGINS_GROUP = "{launcher.PLUGIN_GROUP}"' in p and "SGLANG_PLUGINS" in p
+    assert "discovered = entry_points(group=group)" in p  # what launcher.check_plugin_installed probes
     hr = src.text("sglang.srt.plugins.hook_registry")
     assert 'AROUND = "around"' in hr
     reg = src.func("sglang.srt.plugins.hook_registry", "register", "HookRegistry")

@@ -188,3 +188,26 @@ def test_the_plugin_imports_only_what_sglang_already_has():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     for heavy in ("transformers", "specforge", "aiohttp", "safetensors"):
         assert heavy not in out, f"importing the plugin loads {heavy}"
+
+
+def test_native_launch_refuses_an_sglang_python_without_the_plugin(tmp_path):
+    """SGLang says nothing when no general plugin is installed: a native launch checks the entry point in
+    sglang.python's environment first and names the install command."""
+    from specforge_opd.config import SGLangConfig
+    from specforge_opd.sglang.launcher import PLUGIN_GROUP, PLUGIN_NAME, SGLangServer
+
+    def server(python):
+        cfg = SGLangConfig(python=python, launch_module="json.tool")  # importable anywhere: check_python passes
+        return SGLangServer(cfg, lambda port: [], log_path=tmp_path / "s.log", require_plugin=True)
+
+    server(sys.executable).check_plugin_installed()  # this environment has it (setup.py's entry point)
+    with pytest.raises(ServerError, match=r"no 'specforge_opd_native' entry point.*pip install --no-deps -e"):
+        server(f"{sys.executable} -S").check_plugin_installed()  # no site-packages: no entry points
+    with pytest.raises(ServerError, match="no 'specforge_opd_native' entry point"):
+        server(f"{sys.executable} -S").start()
+    assert not (tmp_path / "s.log").exists()  # refused before launching anything
+    import pathlib
+
+    setup_py = (pathlib.Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert f'"{PLUGIN_GROUP}": ["{PLUGIN_NAME} = specforge_opd.sglang.native:register"]' in setup_py
+

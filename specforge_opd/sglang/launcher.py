@@ -110,6 +110,10 @@ def server_args(
 #: this a second guard, not the only one).
 NO_EARLY_FLUSH = str(1 << 30)
 
+#: Our plugin's entry point (setup.py) and the group SGLang 0.5.23 loads general plugins from.
+PLUGIN_NAME = "specforge_opd_native"
+PLUGIN_GROUP = "sglang.srt.plugins"
+
 #: Lines SGLang logs (and serves on) when our plugin or one of its hooks failed.
 PLUGIN_FAILURE_MARKERS = (
     "Failed to load plugin specforge_opd_native",
@@ -265,9 +269,34 @@ class SGLangServer:
                 "own environment (docs/sglang.md), or sglang.urls to a running server"
             )
 
+    def check_plugin_installed(self) -> None:
+        """Raise ``ServerError`` when ``sglang.python``'s environment lacks our plugin's entry point.
+
+        SGLang loads general plugins from the ``sglang.srt.plugins`` entry points of its
+        own environment and says nothing when there are none, so a native server
+        without the plugin would start and serve, and every rollout would fail later
+        for want of the per-step keys.
+        """
+        probe = [*shlex.split(self.cfg.python), "-c",
+                 "import sys; from importlib.metadata import entry_points; "
+                 f"sys.exit(not any(e.name == {PLUGIN_NAME!r} for e in entry_points(group={PLUGIN_GROUP!r})))"]
+        try:
+            ok = subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if not ok:
+            repo = Path(__file__).resolve().parents[2]
+            raise ServerError(
+                f"sglang.python={self.cfg.python!r} has no {PLUGIN_NAME!r} entry point in group {PLUGIN_GROUP!r}: native "
+                f"mode needs the plugin in SGLang's environment; install it without dependencies: "
+                f"{self.cfg.python} -m pip install --no-deps -e {repo} (docs/sglang.md)"
+            )
+
     def start(self) -> "SGLangServer":
         """Launch and wait for ``/health``; raises ``ServerError`` with the log's tail."""
         self.check_python()
+        if self.require_plugin:
+            self.check_plugin_installed()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         log = open(self.log_path, "ab")
