@@ -211,3 +211,21 @@ def test_native_launch_refuses_an_sglang_python_without_the_plugin(tmp_path):
     setup_py = (pathlib.Path(__file__).resolve().parents[1] / "setup.py").read_text()
     assert f'"{PLUGIN_GROUP}": ["{PLUGIN_NAME} = specforge_opd.sglang.native:register"]' in setup_py
 
+
+def test_native_launch_refuses_layer_ids_sglang_would_reorder():
+    """Native SGLang reads the drafter's target_layer_ids and captures inside its layer loop (each layer once,
+    ascending): a drafter with unsorted ids would silently get permuted features, one with repeats a shape error."""
+    from specforge_opd.config import SGLangConfig
+    from specforge_opd.sglang.launcher import server_args
+
+    cfg = SGLangConfig()
+    ok = server_args(cfg, model_path="/m", port=1, mode="native", draft_path="/d", block_size=4, target_layer_ids=[1, 9],
+                     num_target_layers=12)
+    assert ok[ok.index("--speculative-algorithm") + 1] == "DFLASH"
+    for ids in ([9, 1], [1, 1]):
+        with pytest.raises(ValueError, match=r"draft target_layer_ids \[.*ascending order"):
+            server_args(cfg, model_path="/m", port=1, mode="native", draft_path="/d", block_size=4, target_layer_ids=ids)
+    with pytest.raises(ValueError, match="last"):
+        server_args(cfg, model_path="/m", port=1, mode="native", draft_path="/d", block_size=4, target_layer_ids=[1, 11],
+                    num_target_layers=12)
+

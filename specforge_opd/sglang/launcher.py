@@ -60,7 +60,9 @@ def server_args(
     draft path: 0.5.23 refuses aux capture unless an algorithm names the capture
     convention, then resets the algorithm to none itself, so no draft runs.
     native: ``--speculative-algorithm DFLASH --speculative-draft-model-path DIR
-    --speculative-num-draft-tokens block_size --disable-overlap-schedule``; plain:
+    --speculative-num-draft-tokens block_size --disable-overlap-schedule`` (the drafter's
+    ``target_layer_ids``, when given, must be distinct and ascending: SGLang captures them
+    in layer order); plain:
     the target alone (benchmark baseline). ``sglang.max_total_tokens`` None leaves
     the pool to SGLang's sizing from the GPU; ``sglang.mem_fraction_static`` sets
     the server's share of the GPU.
@@ -94,6 +96,14 @@ def server_args(
     elif mode == "native":
         if draft_path is None or block_size is None:
             raise ValueError("native mode needs the drafter directory (draft.path) and draft.block_size")
+        if target_layer_ids and list(target_layer_ids) != server_layer_ids(target_layer_ids, num_target_layers):
+            # SGLang reads the ids from the drafter's config and captures inside its layer loop: each layer once,
+            # ascending, fed to the drafter in that order
+            raise ValueError(
+                f"draft target_layer_ids {list(target_layer_ids)}: SGLang's DFLASH captures each target layer once, in "
+                "ascending order, and feeds them to the drafter in that order, so this drafter would see other features "
+                "than it was trained on; use a drafter with distinct ascending ids, or rollout.backend sglang_verify"
+            )
         args += [
             "--speculative-algorithm", "DFLASH",
             "--speculative-draft-model-path", str(draft_path),
