@@ -1,4 +1,4 @@
-"""The iterated OPD stage (``scripts/train_opd.sh``): roll out, train, export, repeat (issue 9).
+"""The iterated OPD stage (``scripts/train_opd.sh``): roll out, train, export, repeat.
 
 Shape: one job with alternating phases. Each iteration
 
@@ -63,15 +63,19 @@ def _rank_world() -> tuple[int, int]:
 def bind_rank_device(cfg: ExperimentConfig) -> ExperimentConfig:
     """Pin this torchrun rank to its own GPU before anything touches CUDA.
 
-    ``torch.cuda.set_device(LOCAL_RANK)`` first (NCCL's init and barriers, and
-    every bare ``"cuda"`` tensor, then use the rank's GPU instead of GPU 0), and
-    ``target.device`` "auto"/"cuda" becomes ``cuda:LOCAL_RANK``. Returns ``cfg``
-    unchanged outside torchrun, without CUDA, or for an explicit device.
+    ``torch.cuda.set_device(LOCAL_RANK)`` first, whatever ``target.device`` says
+    (NCCL's init and barriers, which run whenever CUDA is available, and every
+    bare ``"cuda"`` tensor then use the rank's GPU instead of GPU 0; NCCL refuses
+    two ranks on one GPU), as the trainer does; ``target.device`` "auto"/"cuda"
+    becomes ``cuda:LOCAL_RANK``, an explicit device is kept. Returns ``cfg``
+    unchanged outside torchrun or without CUDA.
     """
-    if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available() or cfg.target.device not in ("auto", "cuda"):
+    if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
         return cfg
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
+    if cfg.target.device not in ("auto", "cuda"):
+        return cfg
     cfg = cfg.model_copy(deep=True)
     cfg.target.device = f"cuda:{local}"
     return cfg

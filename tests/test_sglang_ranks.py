@@ -36,8 +36,12 @@ def test_opd_pins_the_rank_gpu_before_loading_the_target(tmp_path, monkeypatch):
     with pytest.raises(_Sentinel):
         opd.run_opd(cfg)
     assert events == [("set_device", 1), ("load_target", "cuda:1")]
-    # an explicit device, a CPU machine, or no torchrun leave the config alone
+    # an explicit device is kept, but the rank's GPU is still the current one (NCCL's barrier runs on it)
+    events.clear()
     assert opd.bind_rank_device(load_config(None, ["target.device=cpu"])).target.device == "cpu"
+    assert opd.bind_rank_device(load_config(None, ["target.device=cuda:0"])).target.device == "cuda:0"
+    assert events == [("set_device", 1), ("set_device", 1)]
+    # a CPU machine, or no torchrun, leave everything alone
     monkeypatch.delenv("LOCAL_RANK")
     assert opd.bind_rank_device(cfg).target.device == cfg.target.device
 
