@@ -331,6 +331,9 @@ def test_aux_capture_refusals_as_the_standin_does(src):
                dict(enable_return_aux_hidden_states=False)):
         msg = refusal(**kw).split(", got ")[0].replace("with DFLASH requires", "with {method} requires")
         assert msg in sglang_text, f"the stand-in refuses {kw} with `{msg}`, which 0.5.23 does not say"
+    # DFLASH without aux capture is a drafting server and needs its draft (speculative_hook._handle_dflash)
+    msg = refusal(enable_return_aux_hidden_states=False, return_aux_hidden_state_layer_ids=None)
+    assert msg in _join_strings(src.func_src("sglang.srt.arg_groups.speculative_hook", "_handle_dflash"))
 
 
 def _join_strings(code: str) -> str:

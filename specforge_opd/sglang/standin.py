@@ -308,7 +308,9 @@ def check_flags(args) -> bool:
     if not args.enable_return_aux_hidden_states:
         if args.return_aux_hidden_state_layer_ids is not None:
             raise ValueError("--return-aux-hidden-state-layer-ids requires --enable-return-aux-hidden-states.")
-        return algo == "DFLASH" and args.speculative_draft_model_path is not None
+        if algo == "DFLASH" and args.speculative_draft_model_path is None:
+            raise ValueError("DFLASH speculative decoding requires setting --speculative-draft-model-path.")
+        return algo == "DFLASH"
     if algo not in AUX_CAPTURE_ALGORITHMS:
         raise ValueError(
             "--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH or DSPARK to name the "
