@@ -682,6 +682,18 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
 # step 3: train (SpecForge subprocess)
 
 
+#: The ``training.*`` fields the SFT train step reads (``specforge_run_config``). Only these key
+#: it, so a field added for the OPD trainer does not restart every SFT run from scratch.
+SFT_TRAINING_FIELDS = ("learning_rate", "lr_scheduler", "warmup_ratio", "max_grad_norm", "num_epochs", "batch_size",
+                       "accumulation_steps", "num_anchors", "seed", "log_interval", "attention_backend",
+                       "mixed_precision")
+
+
+def sft_training_inputs(cfg: ExperimentConfig) -> dict:
+    """The ``training`` part of the SFT train step's key: ``SFT_TRAINING_FIELDS`` only."""
+    return {k: getattr(cfg.training, k) for k in SFT_TRAINING_FIELDS}
+
+
 def on_gpu(cfg: ExperimentConfig) -> bool:
     import torch
 
@@ -1304,7 +1316,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     t0 = time.time()
     gpus = _gpu_count() if on_gpu(cfg) else 0
     dcfg_dict = draft_config_dict(dcfg)
-    t_inputs = {"features": f_key, "draft": dcfg_dict, "training": cfg.training.model_dump(mode="json"),
+    t_inputs = {"features": f_key, "draft": dcfg_dict, "training": sft_training_inputs(cfg),
                 "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus,
                 "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
     nodes = nodes_from_env()

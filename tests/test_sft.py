@@ -444,3 +444,25 @@ def test_pause_exports_the_best_point_so_far_and_the_same_command_continues(tmp_
     assert (t_dir / sft.MARKER).exists()
     meta = read_drafter_metadata(final)
     assert meta["step"] == 8 and meta["validation"]["paused_at"] is None and meta["validation"]["selected_tau"] == 1.5
+
+
+def test_train_key_covers_the_fields_specforge_reads_and_only_those(tmp_path):
+    """The SFT train step's key holds every training.* field specforge_run_config reads, so changing one retrains;
+    a training field only the OPD trainer reads (an added one included) leaves finished SFT runs valid."""
+    from specforge_opd.config import TrainingConfig
+
+    cfg = tiny_cfg(tmp_path / "run")
+    run = sft.specforge_run_config(cfg, target_path="t", draft_config_file=tmp_path / "c.json", features=tmp_path,
+                                   out_dir=tmp_path / "o", num_samples=8, mask_token_id=5, gpus=0)
+    for name in TrainingConfig.model_fields:
+        changed = {"lr_scheduler": "constant", "attention_backend": "eager", "mixed_precision": "bf16"}.get(name)
+        default = getattr(cfg.training, name)
+        if changed is None:
+            if isinstance(default, bool) or not isinstance(default, (int, float)):
+                continue
+            changed = default * 2 if default else 1
+        other = cfg.model_copy(update={"training": cfg.training.model_copy(update={name: changed})})
+        run2 = sft.specforge_run_config(other, target_path="t", draft_config_file=tmp_path / "c.json", features=tmp_path,
+                                        out_dir=tmp_path / "o", num_samples=8, mask_token_id=5, gpus=0)
+        keyed = sft.sft_training_inputs(other) != sft.sft_training_inputs(cfg)
+        assert keyed == (run2 != run), f"training.{name}: in the key {keyed}, changes the SpecForge run {run2 != run}"
