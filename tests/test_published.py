@@ -1,0 +1,43 @@
+"""The embedded target's published drafter loads, fits the target, and drafts as its record says."""
+
+from __future__ import annotations
+
+import pytest
+
+from specforge_opd import published
+
+
+def test_published_drafter_ships_with_its_training_record():
+    """Every field the record promises is there: recipe, commit, positions, FLOPs, the validation curve."""
+    assert published.EMBEDDED_DRAFTER in published.available()
+    rec = published.read_record(published.EMBEDDED_DRAFTER)
+    assert rec["config"].strip() and rec["config_file"].endswith("sft.yaml")
+    assert rec["commit"] and rec["target_dtype"] == "float32"
+    assert rec["trained_positions"] > 0 and rec["flops"]["drafter_train"] > 0
+    curve = rec["validation"]["curve"]
+    assert len(curve) >= 2 and [p["step"] for p in curve] == sorted(p["step"] for p in curve)
+    best = max(curve, key=lambda p: (p["tau"], -p["step"]))
+    assert rec["selected_step"] == best["step"] and rec["validation"]["selected_tau"] == best["tau"]
+    chk = rec["check"]
+    assert set(chk["drafter"]) == set(chk["ngram"]) == set(chk["datasets"])
+    assert all(t >= 1.0 for t in chk["drafter"].values())
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_published_drafter_replays_to_its_recorded_tau(tmp_path):
+    """Exact offline replay on the recorded check prompts gives the recorded tau (beside prompt lookup's)."""
+    from specforge_opd.config import load_config
+    from specforge_opd.drafter import load_drafter
+    from specforge_opd.target import load_target
+
+    d = published.published_drafter(published.EMBEDDED_DRAFTER)
+    rec = published.read_record(published.EMBEDDED_DRAFTER)
+    bundle = load_target(load_config(None, ["target.dtype=float32", "target.device=cpu"]).target)
+    load_drafter(d, target_config=bundle.model.config)  # fits the embedded target
+    got = published.run_check(d, tmp_path / "check", [f"eval.cache_dir={tmp_path / 'cache'}"])
+    assert got["datasets"] == rec["check"]["datasets"]
+    for ds in got["datasets"]:
+        # exact replay at T=0; a tie between two logits may flip on another CPU, hence the small tolerance
+        assert got["drafter"][ds] == pytest.approx(rec["check"]["drafter"][ds], abs=0.03), ds
+        assert got["ngram"][ds] == pytest.approx(rec["check"]["ngram"][ds], abs=1e-9), ds
