@@ -295,6 +295,14 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     }
     if state["drafter"] is None:
         raise PlanError("draft.path is not set: the OPD stage starts from the SFT stage's export or another DFlash/SpecForge drafter")
+    source = str(cfg.resolve_path(cfg.draft.path))
+    started_from = state.get("source") or (read_drafter_metadata(out / "initial_drafter").get("source")
+                                           if state["iterations_done"] else None)
+    if started_from is not None and started_from != source:
+        # resuming would continue (or call finished) a run that started from another drafter
+        raise PlanError(f"{state_path} belongs to a run that started from {started_from}, but draft.path is {source}; "
+                        "use a fresh output.dir, or set draft.path back to resume it")
+    state.setdefault("source", source)
     if cfg.rollout.backend == "sglang_native" and cfg.sglang.urls:
         raise PlanError(
             "rollout.backend=sglang_native with sglang.urls: a given server keeps the drafter it was started with, so "

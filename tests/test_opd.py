@@ -73,6 +73,13 @@ def test_opd_loop_and_resume(tmp_path):
     again = run_opd(cfg2, target=bundle2, prompts=prompts)
     for k, v in _params(again).items():
         assert torch.equal(v, resumed[k])
+    # the same output.dir with another initial drafter is refused, not taken as finished
+    from specforge_opd.plan import PlanError
+
+    other = save_drafter(make_tiny_drafter(bundle2.model, seed=5), tmp_path / "init_other")
+    cfg3 = cfg2.model_copy(update={"draft": cfg2.draft.model_copy(update={"path": str(other)})})
+    with pytest.raises(PlanError, match="started from .*init, but draft.path is .*init_other"):
+        run_opd(cfg3, target=bundle2, prompts=prompts)
 
 
 def test_opd_loop_over_sglang_verify_standin(tmp_path):
