@@ -122,13 +122,9 @@ def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_sec
     its mean, and the cumulative drafter-training FLOPs (None for prompt lookup).
     ``stage_seconds``: wall time per stage; ``seeds``: the seeds behind the rows.
     """
-    import subprocess
+    from .published import source_commit
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
+    commit = source_commit()
     rows = []
     for n in names:
         d = result["drafters"][n]

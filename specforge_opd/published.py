@@ -67,7 +67,8 @@ def read_record(name: str) -> dict:
     return json.loads((published_drafter(name) / RECORD_FILE).read_text())
 
 
-def _commit() -> Optional[str]:
+def source_commit() -> Optional[str]:
+    """The git commit of this package's checkout (None outside a git checkout): records name the code behind them."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=PUBLISHED_DIR.parent).stdout.strip()
@@ -134,7 +135,7 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
     """
     from .config import load_config
     from .drafter import read_drafter_metadata
-    from .sft import read_responses
+    from .sft import read_responses, supervised_tokens
 
     export = Path(export)
     meta = read_drafter_metadata(export)
@@ -143,8 +144,6 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
     cfg = load_config(config_file)
     out_dir = Path(cfg.resolve_path(cfg.output.dir))
     rdirs = sorted(out_dir.glob("responses-*"))
-    from .sft import supervised_tokens
-
     sup = [n for r in read_responses(rdirs[-1]) if (n := supervised_tokens(r, cfg.target.max_context)) >= 2] if rdirs else []
     dest = PUBLISHED_DIR / name
     tmp = dest.with_name(dest.name + ".tmp")
@@ -156,7 +155,7 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
         "name": name,
         "config_file": str(config_file),
         "config": Path(config_file).read_text(),
-        "commit": _commit(),
+        "commit": source_commit(),
         "target_identity": meta.get("target_identity"),
         "target_dtype": meta.get("target_dtype"),
         "training_dtype": cfg.training.mixed_precision,

@@ -878,7 +878,6 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
     steps_per_epoch, _, total = sft_steps(cfg, num_samples, gpus)
     ends = segment_ends(total, cfg.sft.val_interval or steps_per_epoch)
     curve = read_curve(d)
-    stats: dict = {}
     tb = None
     stopped = paused = None
     for end in ends:
@@ -891,24 +890,24 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
                   "with a later or no sft.pause_at_step continues", flush=True)
             break
         if plateaued(curve, cfg.sft.plateau_patience, cfg.sft.plateau_band):
-            stopped = max(p["step"] for p in curve)
+            stopped = done
             print(f"[sft val] plateau at step {stopped}: the last {cfg.sft.plateau_patience} validation points are "
                   f"within {cfg.sft.plateau_band} tau of the best before them; stopping", flush=True)
             break
         seg = json.loads(json.dumps(run))
         seg["training"]["total_steps"] = total
         seg["training"]["max_steps"] = end
-        stats = run_train(d, seg, cfg, gpus)
-        if stats["step"] != end:
-            raise SFTError(f"sft train: the segment to step {end} ended at step {stats['step']} ({stats['checkpoint']}); "
-                           "delete that train directory to start the step again")
-        model = load_specforge_checkpoint(stats["checkpoint"], target_config)
+        seg_stats = run_train(d, seg, cfg, gpus)
+        if seg_stats["step"] != end:
+            raise SFTError(f"sft train: the segment to step {end} ended at step {seg_stats['step']} "
+                           f"({seg_stats['checkpoint']}); delete that train directory to start the step again")
+        model = load_specforge_checkpoint(seg_stats["checkpoint"], target_config)
         export = save_drafter(model, d / "curve" / f"step_{end:07d}", metadata={"stage": "sft", "step": end,
                                                                                  "target_dtype": cfg.target.dtype},
                               dtype=cfg.target.dtype)
         tau = valset.tau(model)
         curve = add_point(d, {"step": end, "tau": tau, "drafter_flops": flops_at(end), "export": str(export),
-                              "checkpoint": stats["checkpoint"]})
+                              "checkpoint": seg_stats["checkpoint"]})
         print(f"[sft val] step {end}/{total}: validation tau {tau:.3f} on {len(valset.prompts)} prompts", flush=True)
         if tensorboard_dir is not None:
             if tb is None:
@@ -919,9 +918,8 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
             tb.flush()
     if tb is not None:
         tb.close()
-    if not stats or stopped is not None or paused is not None:  # no segment ran now, or the curve stopped it
-        last = max(curve, key=lambda p: p["step"])
-        stats = {"checkpoint": last["checkpoint"], "step": last["step"]}
+    last = max(curve, key=lambda p: p["step"])  # the newest segment, whether it ran now or before
+    stats = {"checkpoint": last["checkpoint"], "step": last["step"]}
     if stopped is None and plateaued(curve, cfg.sft.plateau_patience, cfg.sft.plateau_band):
         stopped = max(p["step"] for p in curve)
     stats["plateau_step"] = stopped
