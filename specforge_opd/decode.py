@@ -340,7 +340,7 @@ class TargetRunner:
 
         Args:
             input_ids, position_ids: int64 [B, q] (explicit positions: rows may be left-padded).
-            attention_mask: bool [B, 1, q, S + q], True = attend (``rollout._step_mask``).
+            attention_mask: bool [B, 1, q, S + q], True = attend (``step_mask``).
             cache: from ``new_cache`` (its length grows by q).
             layer_ids: decoder layers whose outputs to return as context features, or None.
         Returns:
@@ -404,6 +404,69 @@ class TargetRunner:
         from .adapter import extract_context_feature
 
         return out.last_hidden_state, extract_context_feature(out.hidden_states, layer_ids)
+
+
+# ---------------------------------------------------------------------------
+# masks, padding and prefill over the slot layout (the in-process rollout's and plain decoding's)
+
+
+def step_mask(kv_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask [B, 1, q, S + q] for q new slots after S cached ones.
+
+    A new slot sees every valid cached slot and the valid new slots at or before
+    it. Each slot also sees itself, so a pad/hole query never has an empty row
+    (an empty row makes SDPA return NaN, which would then sit in the cache).
+    """
+    B, S = kv_valid.shape
+    q = q_valid.shape[1]
+    causal = torch.ones(q, q, dtype=torch.bool, device=kv_valid.device).tril()
+    new = causal.unsqueeze(0) & q_valid.unsqueeze(1)
+    new = new | torch.eye(q, dtype=torch.bool, device=kv_valid.device).unsqueeze(0)
+    old = kv_valid.unsqueeze(1).expand(B, q, S)
+    return torch.cat([old, new], dim=2).unsqueeze(1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of prompts, left-padded: (ids int64 [B, P], valid bool [B, P], positions int64 [B, P]).
+
+    Pad slots hold id 0 and are not valid (holes); each row's positions count its own tokens from 0.
+    """
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, P, dtype=torch.long, device=device)
+    valid = torch.zeros(B, P, dtype=torch.bool, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.as_tensor(list(p), device=device)
+        valid[b, P - len(p):] = True
+    return ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
+def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, layer_ids=None, chunk: int = 256):
+    """Run left-padded prompts through the target in chunks of ``chunk`` columns, appending to ``cache``.
+
+    No forward sees more than ``chunk`` queries, so no [P, P] mask or score matrix
+    is built for a long prompt. Pad slots are holes (``valid`` False).
+
+    Args:
+        runner: ``TargetRunner``; cache: its ``new_cache`` (empty).
+        ids, pos: int64 [B, P]; valid: bool [B, P].
+        layer_ids: decoder layers whose features to return, or None.
+    Returns:
+        (final-norm hidden of the last column [B, 1, H], features [B, P, n*H] or None).
+    Raises:
+        ValueError: ``chunk`` < 1 (``target.prefill_chunk``).
+    """
+    if chunk < 1:
+        raise ValueError(f"target.prefill_chunk={chunk}: must be at least 1")
+    P = ids.shape[1]
+    feats = []
+    hidden = None
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        mask = step_mask(valid[:, :s], valid[:, s:e])
+        hidden, f = runner.forward(ids[:, s:e], pos[:, s:e], mask, cache, layer_ids)
+        if f is not None:
+            feats.append(f)
+    return hidden[:, -1:], (torch.cat(feats, dim=1) if feats else None)
 
 
 #: Up to this many query slots (decode and verify steps) attention is two batched matmuls;

@@ -87,3 +87,34 @@ def ngram_offline_tau(trajectories, block_size: int, sample_ids: Optional[list[s
             )
         )
     return out
+
+
+class NgramDrafter:
+    """Prompt lookup as a ``speculative.Drafter``: per row, ``propose`` on the sequence so far.
+
+    A proposal shorter than bs-1 tokens is padded with ``pad_token_id`` (a valid id the
+    target can verify) and its length reported, so the step never accepts padding
+    (``speculative.accepted_counts``); records show the padding as -1, as
+    ``ngram_offline_tau`` does.
+
+    Args:
+        block_size: slots per block (bs-1 proposed tokens), as the DFlash drafter's.
+        max_ngram: longest suffix tried first (``eval.ngram_max``).
+        pad_token_id: the id sent to the target in padded slots.
+    Raises:
+        ValueError: ``max_ngram`` < 1 (at the first draft).
+    """
+
+    def __init__(self, block_size: int, max_ngram: int = 3, pad_token_id: int = 0):
+        self.block_size = int(block_size)
+        self.max_ngram = int(max_ngram)
+        self.pad_token_id = int(pad_token_id)
+
+    async def propose(self, req):
+        """``req``: a ``speculative.DraftRequest``; returns a ``speculative.Draft`` (tokens int64 [B, bs-1] on the CPU, lengths int64 [B])."""
+        from .speculative import Draft
+
+        k = self.block_size - 1
+        props = [propose(toks, k, self.max_ngram) for toks in req.tokens]
+        tokens = torch.tensor([p + [self.pad_token_id] * (k - len(p)) for p in props], dtype=torch.long).reshape(len(props), k)
+        return Draft(tokens=tokens, lengths=torch.tensor([len(p) for p in props], dtype=torch.long))

@@ -1,34 +1,21 @@
 """Target-assisted speculative rollout with anchor recording (paper section 4.2; DESIGN.md sections 2-3).
 
 ``SpeculativeEngine`` decodes a batch of prompts with the current DFlash drafter
-and the target: per block m it drafts bs-1 tokens from the target's context
-features, verifies ``[slot 0, d_1..d_{bs-1}]`` in one target forward, accepts
-the longest matching prefix r_m plus one bonus token, and records what the OPD
-trainer needs (``specforge_opd.records.RolloutRecord``).
-
-Batched cache bookkeeping. Rows accept different counts per step, so the
-target's ``DynamicCache`` (and the drafter's) is shared by the batch but each
-row owns a boolean ``valid`` map over cache *slots* and every token carries its
-own explicit position id. A verify step appends bs slots per row; the cache is
-cropped to the batch's longest accepted prefix, and the slots a row rejected
-stay as masked holes. Prompts are left-padded the same way (pad slots are
-holes). Holes are squeezed out by ``_compact`` when they become most of the
-cache. Every target and drafter forward gets a 4-D boolean attention mask built
-from that map, so each row sees exactly its own verified prefix: the rollout is
-lossless (T=0 equals the target's greedy decoding up to numerical ties).
-
-The drafter's cache holds the projected context features (DFlash attention
-keys/values of the target features) at the same slot layout; the features of a
-verify step are fed to it at the next draft, as SpecForge's ``spec_generate``
-does for one sequence.
+and the in-process target and records what the OPD trainer needs
+(``specforge_opd.records.RolloutRecord``). The step itself (draft, verify,
+accept r_m plus one bonus token, advance a_{m+1} = a_m + r_m + 1, records) is
+``speculative.speculate``, shared with SGLang's verify mode; the engine drives
+it once per batch with ``speculative.InProcessTarget`` (the target on a
+preallocated KV cache, with the per-row valid maps, holes and compaction) and
+``speculative.CachedDFlashDrafter`` (the drafter's cache of projected context
+features at the same slot layout). The random-anchor ablation re-drafts and
+re-verifies the finished records (``_random_anchors``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pathlib import Path
@@ -37,134 +24,31 @@ import torch
 
 from .adapter import create_dflash_sdpa_mask, extract_context_feature
 from .config import RolloutConfig
-from .decode import HFCache, TargetRunner
+from .decode import TargetRunner, left_pad, prefill, step_mask
 from .records import RolloutRecord
+from .speculative import (
+    CachedDFlashDrafter,
+    Drafter,
+    InProcessTarget,
+    StepConfig,
+    Verified,
+    accepted_counts,
+    row_generator,
+    run_inline,
+    sample_tokens,
+    sampling_probs,
+    speculate,
+    teacher_signal,
+)
+
+#: The old private name of ``decode.step_mask`` (benchmarks and tests import it from here).
+_step_mask = step_mask
 
 log = logging.getLogger(__name__)
 
 
 class RolloutError(ValueError):
     """Bad rollout input (empty prompt, prompt too long, drafter/target mismatch); the message says the fix."""
-
-
-# ---------------------------------------------------------------------------
-# sampling
-
-
-def row_generator(seed: int, sample_id: str, device="cpu") -> torch.Generator:
-    """A ``torch.Generator`` seeded from (seed, sample_id), so a row samples the same
-    tokens whatever batch it is decoded in."""
-    h = hashlib.sha256(f"{int(seed)}:{sample_id}".encode()).digest()
-    g = torch.Generator(device=device)
-    g.manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
-    return g
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """The distribution the decoder samples from: softmax(logits / T), then top-k and top-p filtering.
-
-    Args:
-        logits: float [..., V].
-        temperature: > 0.
-    Returns:
-        float32 [..., V] probabilities summing to 1 over the kept tokens.
-    """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_k and 0 < top_k < probs.shape[-1]:
-        kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        csum = sorted_p.cumsum(-1)
-        # keep a token when the mass before it is still below top_p (the first token always stays)
-        keep_sorted = (csum - sorted_p) < top_p * csum[..., -1:]
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def sample_tokens(
-    logits: torch.Tensor, generators: Sequence[torch.Generator], temperature: float, top_p: float = 1.0, top_k: int = 0
-) -> torch.Tensor:
-    """Pick a token per position: argmax at T=0, else one draw per position from ``sampling_probs``.
-
-    Args:
-        logits: float [B, S, V]; row b draws with ``generators[b]`` (inverse-CDF sampling).
-    Returns:
-        int64 [B, S].
-    """
-    if temperature <= 0.0:
-        return logits.argmax(-1)
-    probs = sampling_probs(logits, temperature, top_p, top_k)
-    cdf = probs.cumsum(-1)
-    out = torch.empty(probs.shape[:2], dtype=torch.long, device=logits.device)
-    for b, g in enumerate(generators):
-        u = torch.rand(probs.shape[1], generator=g, device=g.device).to(cdf.device) * cdf[b, :, -1]
-        out[b] = torch.searchsorted(cdf[b], u.unsqueeze(-1)).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-    return out
-
-
-# ---------------------------------------------------------------------------
-# masks and caches
-
-
-def _step_mask(kv_valid: torch.Tensor, q_valid: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask [B, 1, q, S + q] for q new slots after S cached ones.
-
-    A new slot sees every valid cached slot and the valid new slots at or before
-    it. Each slot also sees itself, so a pad/hole query never has an empty row
-    (an empty row makes SDPA return NaN, which would then sit in the cache).
-    """
-    B, S = kv_valid.shape
-    q = q_valid.shape[1]
-    causal = torch.ones(q, q, dtype=torch.bool, device=kv_valid.device).tril()
-    new = causal.unsqueeze(0) & q_valid.unsqueeze(1)
-    new = new | torch.eye(q, dtype=torch.bool, device=kv_valid.device).unsqueeze(0)
-    old = kv_valid.unsqueeze(1).expand(B, q, S)
-    return torch.cat([old, new], dim=2).unsqueeze(1)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batch of prompts, left-padded: (ids int64 [B, P], valid bool [B, P], positions int64 [B, P]).
-
-    Pad slots hold id 0 and are not valid (holes); each row's positions count its own tokens from 0.
-    """
-    B, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, P, dtype=torch.long, device=device)
-    valid = torch.zeros(B, P, dtype=torch.bool, device=device)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.as_tensor(list(p), device=device)
-        valid[b, P - len(p):] = True
-    return ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0)
-
-
-def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, layer_ids=None, chunk: int = 256):
-    """Run left-padded prompts through the target in chunks of ``chunk`` columns, appending to ``cache``.
-
-    No forward sees more than ``chunk`` queries, so no [P, P] mask or score matrix
-    is built for a long prompt. Pad slots are holes (``valid`` False).
-
-    Args:
-        runner: ``decode.TargetRunner``; cache: its ``new_cache`` (empty).
-        ids, pos: int64 [B, P]; valid: bool [B, P].
-        layer_ids: decoder layers whose features to return, or None.
-    Returns:
-        (final-norm hidden of the last column [B, 1, H], features [B, P, n*H] or None).
-    Raises:
-        ValueError: ``chunk`` < 1 (``target.prefill_chunk``).
-    """
-    if chunk < 1:
-        raise ValueError(f"target.prefill_chunk={chunk}: must be at least 1")
-    P = ids.shape[1]
-    feats = []
-    hidden = None
-    for s in range(0, P, chunk):
-        e = min(P, s + chunk)
-        mask = _step_mask(valid[:, :s], valid[:, s:e])
-        hidden, f = runner.forward(ids[:, s:e], pos[:, s:e], mask, cache, layer_ids)
-        if f is not None:
-            feats.append(f)
-    return hidden[:, -1:], (torch.cat(feats, dim=1) if feats else None)
 
 
 def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -273,24 +157,6 @@ def draft_blocks(drafter, target, input_ids: torch.Tensor, features: torch.Tenso
 # the engine
 
 
-@dataclass
-class _Row:
-    """Per-sequence bookkeeping while it decodes."""
-
-    sample_id: str
-    tokens: list
-    prompt_len: int
-    gen: Optional[torch.Generator]
-    anchors: list
-    drafts: list
-    accepted: list
-    features: list
-    teacher: list  # one dict per block
-    draft_logits: list
-    finished: bool = False
-    done: bool = False
-
-
 class SpeculativeEngine:
     """Batched target-assisted speculative decoding that records a ``RolloutRecord`` per prompt.
 
@@ -347,7 +213,7 @@ class SpeculativeEngine:
         self.too_long = too_long
         self.record_draft_logits = record_draft_logits
         self.prefill_chunk = int(prefill_chunk)
-        #: The target's forward on a preallocated KV cache (``decode.TargetRunner``).
+        #: The target's forward on a preallocated KV cache (``decode.TargetRunner``), built once here.
         self.runner = TargetRunner.of(target_model)
         self.device = next(target_model.parameters()).device
         self.skipped: list[str] = []
@@ -387,58 +253,23 @@ class SpeculativeEngine:
             kept.append((sid, p))
         return kept
 
-    # -- drafting and verifying (one batch step each) ------------------------
+    # -- the drafter, and the loop ---------------------------------------------
 
-    def _propose(self, cur_tok, cur_pos, ctx_feats, ctx_valid, ctx_pos, rows):
-        """Draft one block per active row.
+    def make_drafter(self, target: InProcessTarget) -> Drafter:
+        """The drafter ``generate`` drafts with: the DFlash drafter on ``target``'s slot layout.
 
-        Feeds the pending context features (slots the drafter's cache lacks) and
-        the block ``[cur_tok, MASK...]``; the drafter cache keeps the context
-        part only. Returns (drafts int64 [B, bs-1], drafter logits float32 [B, bs-1, V]).
+        Override to plug in another ``speculative.Drafter`` (the tests' oracle drafters wrap this one).
         """
-        bs = self.block_size
-        B = cur_tok.shape[0]
-        dev = self.device
-        noise_ids = torch.full((B, bs), self.mask_token_id, dtype=torch.long, device=dev)
-        noise_ids[:, 0] = cur_tok
-        noise = self.target.model.embed_tokens(noise_ids)
-        blk_pos = cur_pos.unsqueeze(1) + torch.arange(bs, device=dev)
-        S_d = self.dcache.get_seq_length()
-        kv_valid = torch.cat([self.valid[:, :S_d], ctx_valid], dim=1)
-        mask = kv_valid.unsqueeze(1).unsqueeze(1).expand(B, 1, bs, kv_valid.shape[1])
-        mask = torch.cat([mask, torch.ones(B, 1, bs, bs, dtype=torch.bool, device=dev)], dim=3)
-        ddtype = next(self.drafter.parameters()).dtype
-        out = self.drafter(
-            position_ids=torch.cat([ctx_pos, blk_pos], dim=1),
-            noise_embedding=noise.to(ddtype),
-            target_hidden=ctx_feats.to(ddtype),
-            attention_mask=mask,
-            past_key_values=self.dcache.cache,
-            use_cache=True,
+        return CachedDFlashDrafter(self.drafter, target, self.mask_token_id)
+
+    def step_config(self) -> StepConfig:
+        """The rollout's settings as the shared step reads them."""
+        rc = self.rcfg
+        return StepConfig(
+            block_size=self.block_size, max_new_tokens=rc.max_new_tokens, stop_token_ids=frozenset(self.stop_token_ids),
+            temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, teacher=rc.teacher, teacher_topk=rc.teacher_topk,
+            seed=rc.seed, record_draft_logits=self.record_draft_logits,
         )
-        self.dcache.crop(S_d + ctx_feats.shape[1])
-        logits = self.runner.logits(out[:, 1:]).float()
-        return logits.argmax(-1), logits
-
-    def _verify(self, block_ids, block_pos):
-        """Run the target on [B, bs] block tokens after the cached slots; returns (hidden, features)."""
-        q_valid = torch.ones_like(block_ids, dtype=torch.bool)
-        mask = _step_mask(self.valid, q_valid)
-        return self.runner.forward(block_ids, block_pos, mask, self.tcache, self.layer_ids)
-
-    def _compact(self):
-        """Squeeze the holes out of both caches (same slot layout), keeping each row's slot order."""
-        counts = self.valid.sum(1)
-        width = int(counts.max())
-        B, S = self.valid.shape
-        # sort holes first, valid slots last, stable so the valid slots keep their order (left padding)
-        key = self.valid.long() * (S + 1) + torch.arange(S, device=self.valid.device)
-        order = key.argsort(dim=1)[:, S - width:]
-        self.tcache.gather_slots(order)
-        self.dcache.gather_slots(order)
-        self.valid = torch.gather(self.valid, 1, order)
-
-    # -- the loop ----------------------------------------------------------
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sample_ids: Optional[Sequence[str]] = None, drafter_step: int = 0) -> list[RolloutRecord]:
@@ -449,6 +280,12 @@ class SpeculativeEngine:
             sample_ids: ids stored in the records (default "0", "1", ...); they also seed
                 each row's sampler, so a row's sample does not depend on its batch.
             drafter_step: stored in every record (policy lag bookkeeping).
+        Returns:
+            Records with ``features`` [T-1, n*H] in the target's dtype (None when
+            ``rollout.store_features`` is off) and the ``rollout.teacher`` form's tensors.
+            ``self.stats`` then holds ``verify_steps``, ``batch_steps``, ``completion_tokens``,
+            ``t_prefill``, ``t_draft``, ``t_verify``, ``t_other``, ``seconds`` and, when the
+            cache was squeezed, ``compactions``.
         Raises:
             RolloutError: an empty prompt, or a prompt over the context limit with ``too_long=error``.
         """
@@ -459,99 +296,23 @@ class SpeculativeEngine:
         if not kept:
             return []
         rc = self.rcfg
-        dev = self.device
-        bs = self.block_size
         B = len(kept)
         t0 = time.perf_counter()
-        rows = [
-            _Row(sid, list(p), len(p), row_generator(rc.seed, sid) if rc.temperature > 0 else None, [], [], [], [], [], [])
-            for sid, p in kept
-        ]
-        gens = [r.gen for r in rows]
-        self._rows = rows  # visible to _propose overrides (tests' oracle drafters)
-
-        # prefill, left-padded: pad slots are holes
-        ids, valid, pos = left_pad([p for _, p in kept], dev)
-        P = ids.shape[1]
         # room for the prompt, every token and a block of drafts; the holes that verify steps leave
         # grow it (doubling, rare) until compaction squeezes them
-        self.tcache = self.runner.new_cache(B, P + rc.max_new_tokens + 2 * bs)
-        self.dcache = HFCache()
-        hidden, feats = prefill(self.runner, self.tcache, ids, valid, pos, self.layer_ids, self.prefill_chunk)
-        self.valid = valid
-        first = sample_tokens(self.runner.logits(hidden).float(), gens, rc.temperature, rc.top_p, rc.top_k)[:, 0]
-        for b, r in enumerate(rows):
-            r.features.append(feats[b, valid[b]])
-            self._append(r, [int(first[b])])
-        ctx_feats, ctx_valid, ctx_pos = feats, valid, pos
-        cur_tok = first
-        cur_pos = torch.tensor([r.prompt_len for r in rows], device=dev)
-        self.stats["t_prefill"] = time.perf_counter() - t0
-
-        active = list(range(B))
-        # rows that ended on the prefill token leave before the first draft
-        keep = [i for i, r in enumerate(rows) if not r.done]
+        target = InProcessTarget(
+            self.target, self.layer_ids, slack=rc.max_new_tokens + 2 * self.block_size, prefill_chunk=self.prefill_chunk,
+            compact_min_slots=self.compact_min_slots, compact_below=self.compact_below,
+        )
+        drafter = self.make_drafter(target)
         progress = _progress(total=B * rc.max_new_tokens, disable=B * rc.max_new_tokens < 512)
-        while True:
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, device=dev)
-                active = [active[i] for i in keep]
-                if not active:
-                    break
-                self.tcache.select_rows(sel)
-                self.dcache.select_rows(sel)
-                self.valid = self.valid[sel]
-                ctx_feats, ctx_valid, ctx_pos = ctx_feats[sel], ctx_valid[sel], ctx_pos[sel]
-                cur_tok, cur_pos = cur_tok[sel], cur_pos[sel]
-                gens = [gens[i] for i in keep]
-            t1 = time.perf_counter()
-            drafts, dlogits = self._propose(cur_tok, cur_pos, ctx_feats, ctx_valid, ctx_pos, active)
-            t2 = time.perf_counter()
-            if self.valid.shape[1] >= self.compact_min_slots and self.valid.float().mean() < self.compact_below:
-                self.stats["compactions"] = self.stats.get("compactions", 0) + 1
-                self._compact()
-            block_ids = torch.cat([cur_tok.unsqueeze(1), drafts], dim=1)
-            block_pos = cur_pos.unsqueeze(1) + torch.arange(bs, device=dev)
-            S = self.valid.shape[1]
-            hidden, feats = self._verify(block_ids, block_pos)
-            t3 = time.perf_counter()
-            logits = self.runner.logits(hidden).float()
-            posterior = sample_tokens(logits, gens, rc.temperature, rc.top_p, rc.top_k)
-            acc = (drafts == posterior[:, :-1]).long().cumprod(1).sum(1)
-            teacher = self._teacher(hidden[:, : bs - 1], logits[:, : bs - 1], drafts)
-            keep = []
-            n_new = 0
-            for j, b in enumerate(active):
-                r = rows[b]
-                rj = int(acc[j])
-                r.anchors.append(int(cur_pos[j]))
-                r.drafts.append(drafts[j])
-                r.teacher.append({k: v[j] for k, v in teacher.items()})
-                if self.record_draft_logits:
-                    r.draft_logits.append(dlogits[j])
-                new = drafts[j, :rj].tolist() + [int(posterior[j, rj])]
-                r.features.append(feats[j, : rj + 1])
-                n_new += self._append(r, new, block=rj)
-                if not r.done:
-                    keep.append(j)
-            progress.update(n_new)
-            self.stats["verify_steps"] += len(active)
-            self.stats["batch_steps"] = self.stats.get("batch_steps", 0) + 1
-            # keep the batch's longest accepted prefix; shorter rows get holes
-            c = int(acc.max()) + 1
-            self.tcache.crop(S + c)
-            self.valid = torch.cat([self.valid, torch.arange(c, device=dev).unsqueeze(0) <= acc.unsqueeze(1)], dim=1)
-            ctx_feats, ctx_valid, ctx_pos = feats[:, :c], self.valid[:, S:], block_pos[:, :c]
-            cur_tok = posterior.gather(1, acc.unsqueeze(1)).squeeze(1)
-            cur_pos = cur_pos + acc + 1
-            t4 = time.perf_counter()
-            self.stats["t_draft"] += t2 - t1
-            self.stats["t_verify"] += t3 - t2
-            self.stats["t_other"] += t4 - t3
-        progress.close()
-        self.tcache = self.dcache = self._rows = None
-
-        records = [self._finish(r, drafter_step) for r in rows]
+        try:
+            records = run_inline(speculate(target, drafter, kept, self.step_config(), drafter_step=drafter_step,
+                                           stats=self.stats, progress=progress.update))
+        finally:
+            progress.close()
+        if target.compactions:
+            self.stats["compactions"] = target.compactions
         if rc.anchors == "random":
             records = [self._random_anchors(rec) for rec in records]
         if not rc.store_features:
@@ -560,85 +321,6 @@ class SpeculativeEngine:
         self.stats["completion_tokens"] = sum(rec.completion_tokens for rec in records)
         self.stats["seconds"] = time.perf_counter() - t0
         return records
-
-    def _append(self, row: _Row, new: list[int], block: Optional[int] = None) -> int:
-        """Add verified tokens to a row, stopping at a stop token or the max_new_tokens budget.
-
-        When the sequence ends inside a block, that block's accepted count is
-        clipped to the tokens kept, so ``a_M + r_M + 1 <= T`` and every accepted
-        slot has its token in ``input_ids``. Returns the number of tokens added.
-        """
-        room = self.rcfg.max_new_tokens - (len(row.tokens) - row.prompt_len)
-        added = 0
-        for t in new[: max(room, 0)]:
-            row.tokens.append(int(t))
-            added += 1
-            if int(t) in self.stop_token_ids:
-                row.finished = True
-                break
-        row.done = row.finished or len(row.tokens) - row.prompt_len >= self.rcfg.max_new_tokens
-        if block is not None:
-            # ``added`` tokens follow the anchor; a block cut short keeps only those as accepted
-            row.accepted.append(min(block, added))
-        return added
-
-    def _teacher(self, hidden, logits, drafts) -> dict:
-        """Teacher signal at verify slots 0..bs-2 (predicting drafted slots 1..bs-1), temperature 1, unfiltered."""
-        form = self.rcfg.teacher
-        if form == "full":
-            return {"teacher_hidden": hidden}
-        logp = torch.log_softmax(logits, dim=-1)
-        out = {"teacher_draft_logprob": logp.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)}
-        if form == "topk":
-            k = min(self.rcfg.teacher_topk, logp.shape[-1])
-            top = torch.topk(logp, k, dim=-1)
-            out["teacher_topk_ids"] = top.indices
-            out["teacher_topk_logprobs"] = top.values
-        return out
-
-    def _finish(self, r: _Row, drafter_step: int) -> RolloutRecord:
-        bs = self.block_size
-        M = len(r.anchors)
-        T = len(r.tokens)
-        feats = torch.cat(r.features, dim=0)[: T - 1].cpu()
-        rec = RolloutRecord(
-            sample_id=r.sample_id,
-            input_ids=torch.tensor(r.tokens, dtype=torch.long),
-            prompt_len=r.prompt_len,
-            anchors=torch.tensor(r.anchors, dtype=torch.long),
-            drafts=torch.stack(r.drafts).cpu() if M else torch.zeros(0, bs - 1, dtype=torch.long),
-            accepted=torch.tensor(r.accepted, dtype=torch.long),
-            features=feats,
-            finished=r.finished,
-            drafter_step=int(drafter_step),
-        )
-        for name in ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob"):
-            if M and name in r.teacher[0]:
-                setattr(rec, name, torch.stack([t[name] for t in r.teacher]).cpu())
-            elif not M and (name in self._teacher_names()):
-                setattr(rec, name, self._empty_teacher(name))
-        if self.record_draft_logits:
-            rec.extra["draft_logits"] = torch.stack(r.draft_logits).cpu() if M else None
-        rec.validate()
-        return rec
-
-    def _teacher_names(self):
-        return {
-            "full": ("teacher_hidden",),
-            "topk": ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob"),
-            "token": ("teacher_draft_logprob",),
-        }[self.rcfg.teacher]
-
-    def _empty_teacher(self, name):
-        bs = self.block_size
-        H = self.target.lm_head.weight.shape[1]
-        k = min(self.rcfg.teacher_topk, self.target.lm_head.weight.shape[0])
-        return {
-            "teacher_hidden": torch.zeros(0, bs - 1, H, dtype=self.target.lm_head.weight.dtype),
-            "teacher_topk_ids": torch.zeros(0, bs - 1, k, dtype=torch.long),
-            "teacher_topk_logprobs": torch.zeros(0, bs - 1, k),
-            "teacher_draft_logprob": torch.zeros(0, bs - 1),
-        }[name]
 
     @torch.no_grad()
     def _random_anchors(self, rec: RolloutRecord) -> RolloutRecord:
@@ -663,8 +345,8 @@ class SpeculativeEngine:
         _, hidden = verify_blocks(self.target, rec.input_ids, anchors, block, self.layer_ids)
         logits = self.target.lm_head(hidden).float()
         post = sample_tokens(logits, [row_generator(self.rcfg.seed + 2, rec.sample_id)] * M, self.rcfg.temperature, self.rcfg.top_p, self.rcfg.top_k).cpu()
-        acc = (drafts == post[:, :-1]).long().cumprod(1).sum(1)
-        teacher = self._teacher(hidden[:, :-1], logits[:, :-1], drafts.to(logits.device))
+        acc = accepted_counts(drafts, post)
+        teacher = teacher_signal(Verified(logits=logits, hidden=hidden), drafts.to(logits.device), self.rcfg.teacher, self.rcfg.teacher_topk)
         rec.anchors, rec.drafts, rec.accepted = anchors, drafts, acc
         rec.teacher_hidden = rec.teacher_topk_ids = rec.teacher_topk_logprobs = rec.teacher_draft_logprob = None
         for k, v in teacher.items():
@@ -765,7 +447,7 @@ def autoregressive_generate(
             gens = [gens[j] for j in keep]
         cur = cur + 1
         q_valid = torch.ones(len(active), 1, dtype=torch.bool, device=dev)
-        h, _ = runner.forward(tok.unsqueeze(1), cur.unsqueeze(1), _step_mask(kv_valid, q_valid), cache)
+        h, _ = runner.forward(tok.unsqueeze(1), cur.unsqueeze(1), step_mask(kv_valid, q_valid), cache)
         kv_valid = torch.cat([kv_valid, q_valid], dim=1)
         steps += 1
         n_tok += len(active)

@@ -64,3 +64,43 @@ def test_readme_main_job_table_is_generated_from_the_committed_summary():
     names = [r["drafter"] for r in summary["rows"]]
     assert names == ["prompt lookup (ngram)", "SFT", "SFT + matched-FLOPs SFT", "SFT + OPD"]
     assert summary["commit"] and summary["seeds"] and set(summary["stage_seconds"]) >= {"sft", "opd", "eval"}
+
+
+@torch.no_grad()
+def test_ngram_drafter_rollout_equals_greedy_and_its_offline_tau():
+    """Prompt lookup plugged into the shared step against the in-process target: the output is the target's greedy
+    decoding, short proposals are padded and never accepted past their length, and tau equals the offline replay
+    (``ngram_offline_tau``) of the same trajectories, block for block."""
+    from conftest import make_tiny_target
+
+    from specforge_opd.ngram import NgramDrafter
+    from specforge_opd.speculative import InProcessTarget, StepConfig, run_inline, speculate
+
+    target = make_tiny_target(seed=0)
+    prompts = [("a", [5, 6, 7, 5, 6, 7, 5, 6]), ("b", [9, 10, 11, 12]), ("c", [20, 21, 20, 21, 20, 22, 23])]
+    bs, N = 4, 24
+    cfg = StepConfig(block_size=bs, max_new_tokens=N, stop_token_ids=frozenset({1}), teacher="token")
+    recs = run_inline(speculate(InProcessTarget(target, (), slack=N + 2 * bs), NgramDrafter(bs), prompts, cfg))
+    short = 0
+    for rec, (sid, p) in zip(recs, prompts):
+        ids, gaps = list(p), []
+        for _ in range(N):  # plain greedy, one full forward per token
+            logits = target(torch.tensor([ids])).logits[0, -1]
+            top2 = logits.topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            ids.append(int(logits.argmax()))
+            if ids[-1] == 1:
+                break
+        assert min(gaps) > 1e-4  # no numerical tie: exact token equality is the right check
+        assert rec.input_ids.tolist() == ids, sid
+        assert rec.features is None and rec.teacher_draft_logprob.shape == (rec.num_blocks, bs - 1)
+        proposed = (rec.drafts >= 0).sum(1)
+        assert (rec.accepted <= proposed).all()  # padding (-1) is never accepted
+        short += int((proposed < bs - 1).sum())
+    assert short > 0  # short and empty proposals were exercised
+    offline = ngram_offline_tau([SimpleNamespace(input_ids=r.input_ids, prompt_len=r.prompt_len, finished=r.finished) for r in recs], bs)
+    assert sum(int(r.accepted.sum()) for r in recs) > 0  # lookup did accept tokens
+    for rec, off in zip(recs, offline):
+        assert torch.equal(rec.anchors, off.anchors) and torch.equal(rec.accepted, off.accepted)
+        assert torch.equal(rec.drafts, off.drafts)
+    assert tau_of(recs) == tau_of(offline)

@@ -9,6 +9,7 @@ drafter still runs every step (its logits are what the replay test checks).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -48,16 +49,8 @@ class OracleEngine(SpeculativeEngine):
             self._paths = [list(p) + o for p, o in zip(prompts, outs)]
         return super().generate(prompts, sample_ids, drafter_step)
 
-    def _propose(self, cur_tok, cur_pos, ctx_feats, ctx_valid, ctx_pos, rows):
-        drafts, logits = super()._propose(cur_tok, cur_pos, ctx_feats, ctx_valid, ctx_pos, rows)
-        out = drafts.clone()
-        V = logits.shape[-1]
-        for j, b in enumerate(rows):
-            chain = self._greedy_chain(tuple(self._rows[b].tokens), self.block_size - 1)
-            noise = torch.rand(len(chain), generator=self._g) < self.corrupt
-            rand = torch.randint(3, V - 1, (len(chain),), generator=self._g)
-            out[j] = torch.where(noise, rand, torch.tensor(chain))
-        return out, logits
+    def make_drafter(self, target):
+        return _OracleDrafter(self, super().make_drafter(target))
 
     @torch.no_grad()
     def _greedy_chain(self, prefix, n):
@@ -71,6 +64,25 @@ class OracleEngine(SpeculativeEngine):
                 ids.append(int(self.target(torch.tensor([ids])).logits[0, -1].argmax()))
             self._memo[key] = ids[len(prefix):]
         return self._memo[key]
+
+
+class _OracleDrafter:
+    """Runs the engine's real drafter every step (its logits are recorded), then swaps in the oracle's tokens."""
+
+    def __init__(self, engine, inner):
+        self.engine, self.inner, self.block_size = engine, inner, inner.block_size
+
+    async def propose(self, req):
+        d = await self.inner.propose(req)
+        eng = self.engine
+        out = d.tokens.clone()
+        V = d.logits.shape[-1]
+        for j, toks in enumerate(req.tokens):
+            chain = eng._greedy_chain(tuple(toks), self.block_size - 1)
+            noise = torch.rand(len(chain), generator=eng._g) < eng.corrupt
+            rand = torch.randint(3, V - 1, (len(chain),), generator=eng._g)
+            out[j] = torch.where(noise, rand, torch.tensor(chain))
+        return dataclasses.replace(d, tokens=out)
 
 
 def _prompts(lengths, seed=0, vocab=90):

@@ -388,3 +388,47 @@ def test_unsorted_layer_ids_get_the_servers_ascending_columns_back_in_our_order(
                                              stop_token_ids=STOPS, teacher="token", store_features=True))
         assert torch.allclose(rec.features, ref.features, atol=1e-4)
 
+
+
+def test_in_process_and_per_sequence_backends_give_the_same_records():
+    """One step, two target backends: the same oracle drafter through ``InProcessTarget`` (three rows batched on one
+    KV cache, with holes and compaction) and through ``LocalTarget`` (one sequence per request, a full forward each, as
+    the stand-in serves HTTP) gives the same tokens, anchors, drafts and accepted counts, and features and teacher to
+    1e-4; a stop token or the budget cuts blocks short the same way. A drift in either backend's bookkeeping fails here."""
+    from specforge_opd.speculative import InProcessTarget, StepConfig, run_inline, speculate
+
+    target = make_tiny_target()
+    for max_new in (12, 7):
+        cfg = StepConfig(block_size=BS, max_new_tokens=max_new, stop_token_ids=frozenset(STOPS), teacher="topk", teacher_topk=5)
+        inproc = InProcessTarget(target, LAYERS, slack=max_new + 2 * BS, compact_min_slots=8, compact_below=0.9)
+        with torch.no_grad():
+            batched = run_inline(speculate(inproc, OracleDrafter(target, BS, seed=3), PROMPTS, cfg))
+        per_seq = _run_local(target, OracleDrafter(target, BS, seed=3), max_new=max_new)
+        assert inproc.compactions > 0
+        accepted_seen = set()
+        for e, l in zip(batched, per_seq):
+            assert e.sample_id == l.sample_id and e.finished == l.finished
+            assert torch.equal(e.input_ids, l.input_ids)
+            assert torch.equal(e.anchors, l.anchors) and torch.equal(e.drafts, l.drafts) and torch.equal(e.accepted, l.accepted)
+            assert e.anchors[-1] + e.accepted[-1] + 1 <= e.input_ids.numel()
+            assert torch.allclose(e.features, l.features, atol=1e-4)
+            assert torch.equal(e.teacher_topk_ids, l.teacher_topk_ids)
+            assert torch.allclose(e.teacher_topk_logprobs, l.teacher_topk_logprobs, atol=1e-4)
+            assert torch.allclose(e.teacher_draft_logprob, l.teacher_draft_logprob, atol=1e-4)
+            accepted_seen.update(e.accepted.tolist())
+        assert len(accepted_seen) >= 3, accepted_seen
+
+
+def test_sampling_over_http_is_refused_with_the_setting_named():
+    """Verify targets state ``greedy_only``: a T > 0 rollout over HTTP fails before any request, in one line."""
+    from specforge_opd.speculative import StepConfig, speculate
+    from specforge_opd.sglang.verify_client import HTTPTarget, check_verify_settings
+
+    target = HTTPTarget(None, 0, top_k=5, feature_dim=128)
+    assert target.caps.greedy_only and target.caps.teacher_forms == ("topk", "token")
+    cfg = StepConfig(block_size=BS, max_new_tokens=4, stop_token_ids=frozenset(), temperature=0.7)
+    msg = r"^rollout\.temperature=0\.7: SGLang verify mode is greedy only \(.*\); set rollout\.temperature=0 or use rollout\.backend=embedded$"
+    with pytest.raises(ValueError, match=msg):
+        asyncio.run(speculate(target, OracleDrafter(make_tiny_target(), BS), PROMPTS[:1], cfg))
+    with pytest.raises(ValueError, match=msg):
+        check_verify_settings(0.7, "topk", "rollout")

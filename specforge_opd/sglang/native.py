@@ -298,7 +298,8 @@ def record_from_native(
 
     Checks the anchor recurrence (a_0 = prompt length, a_{m+1} = a_m + r_m + 1) and
     that every accepted draft is the token the output holds at its position.
-    A retracted request (``num_retractions`` > 0) was re-prefilled, which emitted a
+    The last block's accepted count is clipped to the tokens the output keeps after
+    its anchor (a stop token or max_new_tokens inside the block). A retracted request (``num_retractions`` > 0) was re-prefilled, which emitted a
     token outside any verify step and shifted the next anchor by one: the record
     ends at the last block before that (``finished`` False), which keeps every
     block exact. Teacher: the ``token`` form (the drafted tokens' log-probs) when
@@ -344,7 +345,9 @@ def record_from_native(
         prompt_len=P,
         anchors=torch.tensor([s.anchor for s in kept], dtype=torch.long),
         drafts=torch.tensor([s.draft for s in kept], dtype=torch.long).reshape(M, block_size - 1),
-        accepted=torch.tensor([s.accepted for s in kept], dtype=torch.long),
+        # a block the finish cut short keeps only the tokens kept as accepted (a_M + r_M + 1 <= T), as every
+        # other backend's records do (``speculative.speculate``)
+        accepted=torch.tensor([min(s.accepted, len(seq) - 1 - s.anchor) for s in kept], dtype=torch.long),
         finished=cut is None and bool(seq[P:]) and seq[-1] in stops,
         drafter_step=drafter_step,
     )

@@ -1,102 +1,59 @@
-"""One sequence's speculative rollout, written against a target side that may be remote.
+"""One sequence's speculative rollout against a target side that may be remote.
 
-The loop is the paper's target-assisted rollout (section 4.1; DESIGN.md section 3):
-the target prefills the prompt and yields the first response token (a_0 = prompt
-length); then per block the drafter proposes the argmax of slots 1..bs-1 from the
-context features before the anchor and slot 0, the target verifies
-[slot 0, d_1..d_{bs-1}], r_m drafted tokens are accepted and one bonus token is
-added (a_{m+1} = a_m + r_m + 1). Greedy only (temperature 0): SGLang returns top-k
-log-probs, not the full distribution, so a temperature-T sample cannot be
+The step is ``speculative.speculate`` (draft, verify, accept r_m plus one bonus
+token, advance a_{m+1} = a_m + r_m + 1: paper section 4.1; DESIGN.md section 3),
+driven here with a batch of one row. Greedy only (temperature 0): SGLang returns
+top-k log-probs, not the full distribution, so a temperature-T sample cannot be
 reproduced exactly over HTTP.
 
-A ``TargetSide`` answers ``prefill`` and ``verify``; ``LocalTarget`` runs an HF
-model in-process (the stand-in server and tests), ``verify_client.HTTPTarget``
-asks SGLang.
+Target sides answer one request per sequence (``speculative.PerSequenceTarget``):
+``LocalTarget`` runs an HF model in-process (the stand-in server and tests),
+``verify_client.HTTPTarget`` asks SGLang. ``Drafter`` is the DFlash drafter
+without a cache (``speculative.DFlashDrafter``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 
 from ..records import RolloutRecord
+from ..speculative import (
+    DFlashDrafter,
+    PerSequenceTarget,
+    PrefillResult,
+    StepConfig,
+    TargetCaps,
+    VerifyResult,
+    accepted_counts,
+    speculate,
+)
+
+#: The per-sequence DFlash drafter (one forward over context + block, no cache).
+Drafter = DFlashDrafter
+#: Any target ``speculate_sequence`` drives (``speculative.Target``).
+TargetSide = PerSequenceTarget
+
+#: Why verify over SGLang's /generate cannot sample at T > 0 (quoted in the one-line error).
+GREEDY_REASON = "the server returns top-k log-probs, not the full distribution to sample from"
 
 
-@dataclass
-class PrefillResult:
-    """first_token: the target's greedy token at position P; rows: float32 [P, D] features of the prompt or None."""
-
-    first_token: int
-    rows: Optional[torch.Tensor]
+def verify_caps(name: str, top_k: int, features: bool) -> TargetCaps:
+    """Capabilities of a target that answers like SGLang's verify pass: greedy tokens, top-k log-probs, features if asked."""
+    return TargetCaps(name=name, greedy_only=True, greedy_reason=GREEDY_REASON, teacher_forms=("topk", "token"),
+                      features=bool(features), topk=int(top_k))
 
 
-@dataclass
-class VerifyResult:
-    """The verify pass of one block at anchor a (block size bs).
+class LocalTarget(PerSequenceTarget):
+    """An in-process HF target answering like SGLang's verify pass (full forward per request, no cache).
 
-    Attributes:
-        predicted: int64 [bs], the target's greedy token for positions a+1..a+bs
-            (entry j from the output at slot j).
-        draft_logprob: float32 [bs-1], log p(d_k) at drafted slot k (teacher, temperature 1).
-        top_ids, top_logprobs: int64 / float32 [bs-1, k], the teacher's top-k at drafted slots.
-        rows: float32 [bs, D] features of positions a..a+bs-1, or None.
+    Args:
+        model: HF causal LM, eval mode.
+        layer_ids: decoder layers whose outputs are the features (HF ``hidden_states[k + 1]``).
+        top_k: width of the top-k teacher returned.
+        want_features: return feature rows (float32 [n, len(layer_ids) * H]).
     """
-
-    predicted: torch.Tensor
-    draft_logprob: torch.Tensor
-    top_ids: torch.Tensor
-    top_logprobs: torch.Tensor
-    rows: Optional[torch.Tensor]
-
-
-class TargetSide(Protocol):
-    async def prefill(self, prompt_ids: list[int]) -> PrefillResult: ...
-
-    async def verify(self, seq_ids: list[int], drafts: list[int]) -> VerifyResult: ...
-
-
-class Drafter:
-    """The DFlash drafter with the target's frozen embedding and lm_head (the drafter has neither).
-
-    ``draft(context, slot0, anchor, prefix)``: context float [a, n*H] (features of positions
-    0..a-1; ``prefix``, the tokens 0..a, is unused by DFlash), returns the bs-1 argmax tokens for slots 1..bs-1. No draft KV cache:
-    one forward over context + block, the same function ``spec_generate`` computes
-    with its cache.
-    """
-
-    def __init__(self, model, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module):
-        self.model = model.eval()
-        self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
-        self.block_size = int(model.block_size)
-        self.mask_token_id = int(model.mask_token_id)
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-
-    @torch.inference_mode()
-    def draft(self, context: torch.Tensor, slot0: int, anchor: int, prefix: Optional[list[int]] = None) -> list[int]:
-        if context.shape[0] != anchor:
-            raise ValueError(f"drafter context has {context.shape[0]} rows, anchor is {anchor}: features must cover 0..a-1")
-        bs = self.block_size
-        block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
-        block[0, 0] = int(slot0)
-        noise = self.embed_tokens(block).to(self.dtype)
-        pos = torch.arange(anchor + bs, device=self.device).unsqueeze(0)
-        hidden = self.model(
-            target_hidden=context.to(self.device, self.dtype).unsqueeze(0),
-            noise_embedding=noise,
-            position_ids=pos,
-            use_cache=False,
-            is_causal=False,
-        )
-        logits = self.lm_head(hidden[:, 1:, :].to(self.lm_head.weight.dtype))
-        return logits.argmax(-1)[0].tolist()
-
-
-class LocalTarget:
-    """An in-process HF target answering like SGLang's verify pass (full forward, no cache)."""
 
     def __init__(self, model, layer_ids: list[int], top_k: int, want_features: bool = True):
         self.model = model.eval()
@@ -104,6 +61,7 @@ class LocalTarget:
         self.top_k = int(top_k)
         self.want_features = want_features
         self.device = next(model.parameters()).device
+        self.caps = verify_caps("the local verify target", self.top_k, want_features)
 
     @torch.inference_mode()
     def forward(self, ids: list[int]):
@@ -115,18 +73,18 @@ class LocalTarget:
             feats = torch.cat([out.hidden_states[k + 1][0] for k in self.layer_ids], dim=-1).float().cpu()
         return out.logits[0].float().cpu(), feats
 
-    async def prefill(self, prompt_ids: list[int]) -> PrefillResult:
+    async def prefill_one(self, prompt_ids: list[int]) -> PrefillResult:
         logits, feats = self.forward(prompt_ids)
         return PrefillResult(int(logits[-1].argmax()), feats)
 
-    async def verify(self, seq_ids: list[int], drafts: list[int]) -> VerifyResult:
+    async def verify_one(self, seq_ids: list[int], drafts: list[int]) -> VerifyResult:
         a = len(seq_ids) - 1
         logits, feats = self.forward(list(seq_ids) + list(drafts))
         return verify_result_from_logits(logits[a:], drafts, self.top_k, None if feats is None else feats[a:])
 
 
 def verify_result_from_logits(block_logits: torch.Tensor, drafts: list[int], top_k: int, rows: Optional[torch.Tensor]) -> VerifyResult:
-    """``block_logits`` float [bs, V]: the target's logits at slots 0..bs-1 of one verify pass."""
+    """A ``VerifyResult`` from ``block_logits`` float [bs, V], the target's logits at slots 0..bs-1 of one verify pass."""
     lp = torch.log_softmax(block_logits.float(), dim=-1)
     d = torch.tensor(drafts, dtype=torch.long)
     top = lp[:-1].topk(max(top_k, 1), dim=-1)
@@ -140,18 +98,16 @@ def verify_result_from_logits(block_logits: torch.Tensor, drafts: list[int], top
 
 
 def accepted_count(drafts: list[int], predicted: torch.Tensor) -> int:
-    """r_m: the longest prefix of drafts equal to the target's greedy tokens (DESIGN.md, sampling)."""
-    r = 0
-    for k, tok in enumerate(drafts):
-        if int(predicted[k]) != int(tok):
-            break
-        r += 1
-    return r
+    """r_m of one block: the longest prefix of ``drafts`` equal to the target's greedy tokens
+    ``predicted`` (int64 [>= len(drafts)]); ``speculative.accepted_counts`` for one row."""
+    if not drafts:
+        return 0
+    return int(accepted_counts(torch.tensor([list(drafts)], dtype=torch.long), predicted.long().view(1, -1))[0])
 
 
 async def speculate_sequence(
     target: TargetSide,
-    drafter: Drafter,
+    drafter,
     prompt_ids: list[int],
     *,
     sample_id: str,
@@ -161,72 +117,26 @@ async def speculate_sequence(
     store_features: bool,
     drafter_step: int = 0,
 ) -> RolloutRecord:
-    """Roll out one sequence; returns its ``RolloutRecord`` (see ``specforge_opd.records``).
+    """Roll out one sequence at temperature 0; returns its ``RolloutRecord`` (see ``specforge_opd.records``).
 
-    Truncation: the response stops after the first stop token or at
-    ``max_new_tokens`` (tokens past either are dropped from ``input_ids``, the
-    block's ``accepted`` count is kept as verified). ``features`` rows cover
-    positions 0..T-2, one row per position, each taken from the verify pass that
-    accepted that position (so each accepted token contributes exactly one row).
+    ``speculative.speculate`` with one row: the response stops after the first stop
+    token or at ``max_new_tokens``, a block cut short keeps only the tokens kept as
+    accepted; ``features`` rows (float32 [T-1, D]) cover positions 0..T-2, each from
+    the verify pass that accepted it (dropped when ``store_features`` is off).
 
+    Args:
+        target: a ``speculative.Target`` (``HTTPTarget``, ``LocalTarget``, or ``InProcessTarget``).
+        drafter: a ``speculative.Drafter`` (``Drafter``, ``ngram.NgramDrafter``).
+        teacher: ``topk`` | ``token`` (``full`` records none over a verify target: the trainer recomputes it).
     Raises:
-        ContractError (from the target side), ValueError for an empty prompt.
+        ContractError (from the target side); ValueError for an empty prompt or a drafter
+        without the context features it needs.
     """
     if not prompt_ids:
         raise ValueError(f"{sample_id}: empty prompt")
-    P = len(prompt_ids)
-    stops = set(int(t) for t in stop_token_ids)
-    pre = await target.prefill(list(prompt_ids))
-    seq = list(prompt_ids) + [pre.first_token]
-    feat_rows: list[torch.Tensor] = [pre.rows] if store_features else []
-    anchors, drafts_all, accepted, d_lp, t_ids, t_lps = [], [], [], [], [], []
-    finished = pre.first_token in stops
-    while not finished and len(seq) - P < max_new_tokens:
-        a = len(seq) - 1
-        context = torch.cat(feat_rows, 0) if store_features else None
-        if context is None:
-            raise ValueError("the drafter needs context features: speculative rollout requires rollout.store_features or a feature-returning target")
-        drafts = drafter.draft(context, seq[a], a, prefix=list(seq))
-        v = await target.verify(seq, drafts)
-        r = accepted_count(drafts, v.predicted)
-        new = drafts[:r] + [int(v.predicted[r])]
-        anchors.append(a)
-        drafts_all.append(drafts)
-        accepted.append(r)
-        d_lp.append(v.draft_logprob)
-        t_ids.append(v.top_ids)
-        t_lps.append(v.top_logprobs)
-        if store_features:
-            if v.rows is None or v.rows.shape[0] < r + 1:
-                raise ValueError(f"{sample_id}: verify pass at anchor {a} returned no feature rows for the {r + 1} accepted positions")
-            feat_rows.append(v.rows[: r + 1])
-        for tok in new:
-            seq.append(tok)
-            if tok in stops:
-                finished = True
-                break
-            if len(seq) - P >= max_new_tokens:
-                break
-    T = len(seq)
-    bs = drafter.block_size
-    M = len(anchors)
-    rec = RolloutRecord(
-        sample_id=sample_id,
-        input_ids=torch.tensor(seq, dtype=torch.long),
-        prompt_len=P,
-        anchors=torch.tensor(anchors, dtype=torch.long),
-        drafts=torch.tensor(drafts_all, dtype=torch.long).reshape(M, bs - 1),
-        accepted=torch.tensor(accepted, dtype=torch.long),
-        finished=finished,
-        drafter_step=drafter_step,
-    )
-    if store_features:
-        rec.features = torch.cat(feat_rows, 0)[: T - 1].float()
-    if teacher in ("topk", "token"):
-        rec.teacher_draft_logprob = torch.stack(d_lp).float() if M else torch.zeros(0, bs - 1)
-    if teacher == "topk":
-        k = t_ids[0].shape[-1] if M else 0
-        rec.teacher_topk_ids = torch.stack(t_ids).long() if M else torch.zeros(0, bs - 1, k, dtype=torch.long)
-        rec.teacher_topk_logprobs = torch.stack(t_lps).float() if M else torch.zeros(0, bs - 1, k)
-    rec.validate()
+    cfg = StepConfig(block_size=int(drafter.block_size), max_new_tokens=int(max_new_tokens),
+                     stop_token_ids=frozenset(int(t) for t in stop_token_ids), temperature=0.0, teacher=teacher)
+    rec = (await speculate(target, drafter, [(sample_id, [int(t) for t in prompt_ids])], cfg, drafter_step=drafter_step))[0]
+    if not store_features:
+        rec.features = None
     return rec

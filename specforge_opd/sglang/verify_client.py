@@ -30,7 +30,8 @@ from .contract import (
     verify_request,
 )
 from .launcher import Endpoints, ServerError
-from .speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence
+from ..speculative import PerSequenceTarget, greedy_only_error
+from .speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence, verify_caps
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,14 @@ class HTTPClient:
         )
 
 
-class HTTPTarget:
-    """The target side of ``speculate_sequence`` over SGLang's ``/generate`` (see ``contract``)."""
+class HTTPTarget(PerSequenceTarget):
+    """A ``speculative.Target`` over SGLang's ``/generate`` (see ``contract``), one request per sequence.
+
+    Capabilities: greedy only (the server returns its greedy token and top-k log-probs,
+    ``speculate.GREEDY_REASON``), teacher forms ``topk`` and ``token``, features when
+    ``feature_dim`` is set. Raises ``ContractError`` for an answer outside the contract,
+    ``launcher.ServerError`` when the server cannot be reached.
+    """
 
     def __init__(self, client: HTTPClient, server: int, *, top_k: int, feature_dim: Optional[int],
                  columns: Optional[torch.Tensor] = None):
@@ -117,12 +124,13 @@ class HTTPTarget:
         self.top_k = max(1, int(top_k))
         self.feature_dim = feature_dim
         self.columns = columns
+        self.caps = verify_caps("SGLang verify mode", self.top_k, feature_dim is not None)
 
     def _ours(self, rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """float32 [n, server feature dim] -> [n, drafter feature dim] (repeated layers' columns repeated)."""
         return rows if rows is None or self.columns is None else rows[:, self.columns]
 
-    async def prefill(self, prompt_ids: list[int]) -> PrefillResult:
+    async def prefill_one(self, prompt_ids: list[int]) -> PrefillResult:
         body = prefill_request(prompt_ids, want_hidden=self.feature_dim is not None)
         payload = await self.client.post(self.server, "/generate", body)
         r = parse_generate_response(
@@ -133,7 +141,7 @@ class HTTPTarget:
             raise ContractError("meta_info.cached_tokens", f"{r.cached_tokens} on a prefill with logprob_start_len=0", self.client.endpoints.version)
         return PrefillResult(r.output_id, self._ours(r.hidden_rows))
 
-    async def verify(self, seq_ids: list[int], drafts: list[int]) -> VerifyResult:
+    async def verify_one(self, seq_ids: list[int], drafts: list[int]) -> VerifyResult:
         a = len(seq_ids) - 1
         body = verify_request(seq_ids, drafts, top_k=self.top_k, want_hidden=self.feature_dim is not None)
         n = len(body["input_ids"])
@@ -269,10 +277,7 @@ async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tup
 def check_verify_settings(temperature: float, teacher: str, feature_source: str) -> None:
     """Raise ``ValueError`` naming the field for a setting verify mode cannot honour."""
     if temperature != 0.0:
-        raise ValueError(
-            f"rollout.temperature={temperature}: SGLang verify mode is greedy only (the server returns top-k log-probs, "
-            "not the full distribution to sample from); set rollout.temperature=0 or use rollout.backend=embedded"
-        )
+        raise greedy_only_error(temperature, verify_caps("SGLang verify mode", 1, True))
     if teacher == "full" and feature_source != "target":
         raise ValueError(
             "rollout.teacher=full: SGLang's verify response carries log-probs, not the target's final hidden states; "
