@@ -34,7 +34,7 @@ def optimizer_and_scheduler():
     return optimizer, lr_scheduler
 
 
-# --- SFT stage (engineer D, specforge_opd.sft) --------------------------------
+# --- SFT stage and SpecForge checkpoints (sft_train, draft_config, drafter) ---
 
 
 def specforge_run_config_class():

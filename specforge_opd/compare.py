@@ -42,18 +42,18 @@ def matched_steps(sft_cfg, start: Path, responses: list, opd_flops: float) -> tu
     ``opd_flops`` drafter-training FLOPs, for the drafter at ``start`` (its shape sets the cost)."""
     from transformers import AutoConfig
 
-    from .drafter import load_draft_config
-    from .sft import sft_flops
+    from .drafter import load_drafter
+    from .flops import sft_flops
 
-    dcfg = load_draft_config(start)
     tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
+    dcfg = load_drafter(start, target_config=tcfg).config  # any drafter form OPD accepts
     per_step = sft_flops(sft_cfg, dcfg, tcfg, responses, steps=1, captured_here=False).drafter_train
     return max(1, math.ceil(opd_flops / per_step)), per_step
 
 
 def _target_of(cfg, start: Path) -> str:
     """The target's HF directory: the one the starting drafter records, else the config's."""
-    from .sft import target_dir
+    from .target import target_dir
 
     t = read_drafter_metadata(start).get("target")
     return t if t and Path(t).is_dir() else target_dir(cfg)

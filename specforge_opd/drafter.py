@@ -1,4 +1,7 @@
-"""The DFlash drafter: derive its config from the target, load it, export it, check it fits.
+"""The DFlash drafter: derive its config from the target, load it in any accepted form, export it, check it fits.
+
+``load_drafter`` is the one loader behind every verb that takes a drafter: an HF DFlash
+directory, ``published:NAME`` or a SpecForge checkpoint (read weights-only).
 
 One exporter serves the SFT stage, the OPD trainer and every other writer of
 drafters: ``save_drafter`` writes the HF layout SGLang loads unchanged
@@ -15,10 +18,12 @@ SGLang under ``--dtype auto`` serves a drafter whose config has no dtype, or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -396,35 +401,53 @@ def drafter_dtype(config) -> Optional[str]:
 
 
 def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", target_config=None, *,
-                 target_dtype: Optional[str] = None) -> DFlashDraftModel:
-    """Load a drafter from an HF DFlash directory (ours, a SpecForge export, or a published one).
+                 target_dtype: Optional[str] = None, expected_mask_token_id: Optional[int] = None) -> DFlashDraftModel:
+    """Load a drafter in any accepted form: the one loader every verb that takes a drafter goes through.
 
-    SpecForge step directories are handled by ``specforge_opd.sft.load_specforge_checkpoint``.
-    With ``target_config`` given, ``check_compatible`` runs before the weights load. The
-    model is fp32 whatever the file holds (fp32, bf16 or fp16 weights: training keeps
-    fp32 master weights).
+    Forms of ``path``:
+
+    - an HF DFlash directory (``config.json`` + ``*.safetensors``): this project's export, a
+      SpecForge HF export or a published DFlash drafter;
+    - ``published:NAME``: a drafter shipped in the package (``drafter_path``);
+    - a SpecForge checkpoint: a ``training_state.pt``, a ``<run>-step<N>`` directory, a
+      ``<run>-latest`` link or the run's output directory (``load_specforge_checkpoint``:
+      read weights-only, its architecture derived from ``target_config``, which it needs).
+
+    With ``target_config`` given, ``check_compatible`` runs before the weights load (hidden
+    size, target layers, vocabulary, the mask token, and ``expected_mask_token_id`` when
+    given). The model is fp32 on CPU whatever the file holds (fp32, bf16 or fp16 weights:
+    training keeps fp32 master weights).
 
     Args:
-        target_dtype: ``target.dtype`` of this run. A drafter whose ``config.json`` declares
+        target_dtype: ``target.dtype`` of this run. An HF drafter whose ``config.json`` declares
             the other half precision (bfloat16 against float16) is refused: it was exported
             for a target served in that dtype. float32 on either side is accepted (SpecForge's
             own exports always declare bfloat16, and loading into the fp32 model is exact);
             ``save_drafter`` re-exports in the target's dtype. None: not checked.
 
     Raises:
-        DrafterError: not a DFlash directory, incompatible with the target, bfloat16 against
-            float16, or weights that do not match the architecture.
+        DrafterError: the path does not exist or holds no drafter, a SpecForge checkpoint without
+            ``target_config``, incompatible with the target, bfloat16 against float16, or weights
+            that do not match the architecture.
     """
     p = drafter_path(path)
     if not p.exists():
         raise DrafterError(f"drafter path {p} does not exist (draft.path)")
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        # no HF config.json: a SpecForge checkpoint, whose architecture only the target can complete
+        if target_config is None:
+            raise DrafterError(f"drafter {p} has no config.json, so it is read as a SpecForge checkpoint, "
+                               "whose architecture is derived from the target: pass the target's config")
+        model = load_specforge_checkpoint(p, target_config, attention_backend)
+        check_compatible(model.config, target_config, expected_mask_token_id=expected_mask_token_id)
+        return model
     config = load_draft_config(p)
     have = drafter_dtype(config)
     if {have, target_dtype} == {"bfloat16", "float16"}:
         raise DrafterError(f"drafter {p}: config.json dtype={have}, but target.dtype={target_dtype}; set "
                            f"target.dtype={have} (the dtype it was exported for), or re-export it with save_drafter(..., dtype={target_dtype!r})")
     if target_config is not None:
-        check_compatible(config, target_config)
+        check_compatible(config, target_config, expected_mask_token_id=expected_mask_token_id)
     model = build_drafter(config, attention_backend)
     files = sorted(p.glob("*.safetensors"))
     if not files:
@@ -439,4 +462,134 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or missing:
         raise DrafterError(f"drafter {p}: weights do not match the architecture (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    return model.float()
+
+
+def load_any_drafter(path: str | os.PathLike, target_config, *, expected_mask_token_id: Optional[int] = None,
+                     attention_backend: str = "sdpa", target_dtype: Optional[str] = None) -> DFlashDraftModel:
+    """``load_drafter`` with the target config required (so every form, SpecForge checkpoints included, loads).
+
+    Raises:
+        DrafterError: as ``load_drafter``.
+    """
+    return load_drafter(path, attention_backend, target_config, target_dtype=target_dtype,
+                        expected_mask_token_id=expected_mask_token_id)
+
+
+# ---------------------------------------------------------------------------
+# SpecForge checkpoints -> DFlashDraftModel
+
+
+def _resolve_state_file(path: Path) -> Path:
+    """The ``training_state.pt`` of a SpecForge checkpoint given as the file, a step dir, a ``-latest`` link or a run dir."""
+    from .adapter import specforge_checkpoint_layout
+
+    state_file, resolve = specforge_checkpoint_layout()
+    if path.is_file():
+        if path.name != state_file:
+            raise DrafterError(f"{path} is not a SpecForge {state_file}")
+        return path
+    if (path / state_file).is_file():
+        return path / state_file
+    try:
+        return Path(resolve(str(path))) / state_file
+    except (FileNotFoundError, ValueError) as e:
+        raise DrafterError(f"{path}: no config.json (not an HF DFlash directory) and no SpecForge checkpoint "
+                           f"({state_file}, a -step<N> dir or a -latest link): {e}")
+
+
+def recorded_draft_config(state: dict) -> Optional[dict]:
+    """The draft config.json a SpecForge checkpoint was trained with, if still on disk unchanged.
+
+    SpecForge records ``("file-stat-v2", path, ("sha256", "", size, digest))``
+    under ``specforge_model_provenance["draft_config"]``; the file is trusted
+    only when its sha256 still matches. Returns the parsed JSON or None.
+    """
+    try:
+        rec = dict(state.get("specforge_model_provenance") or ()).get("draft_config")
+        _kind, fpath, (algo, _name, _size, digest) = rec
+        data = Path(fpath).read_bytes()
+    except (TypeError, ValueError, OSError):
+        return None
+    if algo != "sha256" or hashlib.sha256(data).hexdigest() != digest:
+        return None
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError:
+        return None
+
+
+def load_specforge_checkpoint(path: str | os.PathLike, target_config, attention_backend: str = "sdpa"):
+    """Load the drafter of a SpecForge DFlash checkpoint without unpickling code.
+
+    ``path``: a ``training_state.pt``, a ``<run>-step<N>`` directory, a
+    ``<run>-latest`` link, or the run's output directory. The state is read with
+    ``torch.load(weights_only=True)`` (tensors and plain metadata only; SpecForge's
+    own resume uses ``weights_only=False``, which this project forbids). The
+    architecture comes from the checkpoint's ``dflash_*`` resume contract and
+    the target config (hidden size, heads, vocabulary); the MLP width from the
+    weights. Returns a ``DFlashDraftModel`` in fp32 on CPU.
+
+    Raises:
+        DrafterError: no checkpoint there, not weights-only readable, not a
+            DFlash checkpoint, or weights that do not fit the target.
+    """
+    state_path = _resolve_state_file(Path(path))
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise DrafterError(
+            f"{state_path} cannot be read safely (torch.load weights_only=True): {e}; "
+            "export it to an HF directory with a trusted SpecForge install and pass that instead"
+        ) from None
+    if not isinstance(state, dict) or not isinstance(state.get("draft_state_dict"), dict):
+        raise DrafterError(f"{state_path} has no draft_state_dict (not a SpecForge training state)")
+    if state.get("strategy") not in (None, "dflash"):
+        raise DrafterError(f"{state_path} was trained with strategy {state.get('strategy')!r}, not dflash")
+    need = ("dflash_draft_num_hidden_layers", "dflash_target_layer_ids", "dflash_block_size", "dflash_mask_token_id")
+    missing = [k for k in need if k not in state]
+    if missing:
+        raise DrafterError(f"{state_path} lacks the DFlash resume contract fields {missing}")
+    weights = {k: v for k, v in state["draft_state_dict"].items() if "embed_tokens" not in k and "lm_head" not in k}
+    t = getattr(target_config, "text_config", target_config)
+    fc = weights.get("fc.weight")
+    if fc is not None and fc.shape[0] != t.hidden_size:
+        raise DrafterError(f"drafter {state_path} does not fit the target: hidden size {fc.shape[0]} != target "
+                           f"{t.hidden_size}")
+    # The drafter borrows the target's embedding and lm_head, so its weights do not
+    # show the vocabulary; the draft config it was trained with does.
+    recorded = recorded_draft_config(state)
+    if recorded is None:
+        warnings.warn(f"{state_path}: its draft config.json is gone or changed; the vocabulary it was trained "
+                      "for cannot be checked against the target", stacklevel=2)
+    else:
+        problems = [f"{k} {recorded[k]} != target {getattr(t, k)}" for k in ("vocab_size", "hidden_size")
+                    if k in recorded and recorded[k] != getattr(t, k)]
+        n = recorded.get("num_target_layers")
+        if n is not None and n != t.num_hidden_layers:
+            problems.append(f"num_target_layers {n} != target's {t.num_hidden_layers} layers")
+        if problems:
+            raise DrafterError(f"drafter {state_path} does not fit the target: " + "; ".join(problems))
+    gate = weights.get("layers.0.mlp.gate_proj.weight")
+    try:
+        dcfg = derive_draft_config(
+            target_config,
+            num_hidden_layers=int(state["dflash_draft_num_hidden_layers"]),
+            block_size=int(state["dflash_block_size"]),
+            mask_token_id=int(state["dflash_mask_token_id"]),
+            target_layer_ids=[int(i) for i in state["dflash_target_layer_ids"]],
+            intermediate_size=int(gate.shape[0]) if gate is not None else None,
+        )
+    except DrafterError as e:
+        raise DrafterError(f"drafter {state_path} does not fit the target: {e}") from None
+    check_compatible(dcfg, target_config)
+    model = build_drafter(dcfg, attention_backend)
+    try:
+        missing_k, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    except RuntimeError as e:
+        raise DrafterError(f"drafter {state_path} weights do not fit the target-derived architecture: {e}") from None
+    missing_k = [k for k in missing_k if "embed_tokens" not in k and "lm_head" not in k]
+    if missing_k or unexpected:
+        raise DrafterError(f"drafter {state_path}: weights do not match (missing {missing_k[:5]}, "
+                           f"unexpected {list(unexpected)[:5]})")
     return model.float()

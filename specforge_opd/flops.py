@@ -309,3 +309,25 @@ class FlopsLedger:
                 raise ValueError(f"flops metadata: `{k}` must be a non-negative number, got {v!r}")
             kw[k] = float(v)
         return cls(**kw, notes=list(d.get("notes", [])))
+
+
+def sft_flops(cfg, draft_config, target_config, responses: list, *, steps: int,
+              captured_here: bool = True):
+    """FLOPs of an SFT run of ``cfg`` (an ``ExperimentConfig``) as a ``FlopsLedger`` (this module's conventions).
+
+    ``responses``: the run's ``ResponseRecord`` list; ``steps``: optimizer steps trained.
+
+    ``drafter_train`` = steps x batch_size x the mean per-sequence cost of SpecForge's
+    DFlash SFT (``sft_step_flops`` with ``training.num_anchors``) over the
+    training samples. ``target_capture`` = response generation (plain decoding)
+    plus the feature capture forward of every sample; 0 when the responses and
+    features were reused from another run (``sft.reuse_from``: already paid there).
+    """
+    lens = [len(r.prompt_ids) + len(r.response_ids) for r in responses] or [0]
+    per_seq = sum(sft_step_flops(draft_config, seq_len=n, num_anchors=cfg.training.num_anchors)["total"] for n in lens) / len(lens)
+    ledger = FlopsLedger(drafter_train=float(per_seq * cfg.training.batch_size * cfg.training.accumulation_steps * steps))
+    if captured_here:
+        for r in responses:
+            ledger.target_capture += autoregressive_target_flops(target_config, prompt_len=len(r.prompt_ids), new_tokens=len(r.response_ids))
+            ledger.target_capture += capture_target_flops(target_config, seq_len=len(r.prompt_ids) + len(r.response_ids))
+    return ledger

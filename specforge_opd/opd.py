@@ -51,7 +51,7 @@ from .plan import (
     planned_world_size,
 )
 from .records import accepted_histogram, tau_of
-from .sft import dir_bytes
+from .stepkeys import dir_bytes
 
 STATE_FILE = "opd_state.json"
 
@@ -256,9 +256,8 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         and whatever the rollout, shards and trainer raise on bad input.
     """
     from .chat import render_prompt
-    from .drafter import check_target_dtype, drafter_layer_ids, drafter_mask_token_id, read_drafter_metadata
+    from .drafter import check_target_dtype, drafter_layer_ids, drafter_mask_token_id, load_any_drafter, read_drafter_metadata
     from .rollout import SpeculativeEngine
-    from .sft import load_any_drafter
     from .target import load_target
     from .trainer import distill
 

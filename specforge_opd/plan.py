@@ -1,13 +1,15 @@
-"""The OPD schedule and spool budget, fixed at plan time before any work (issue 9).
+"""The stages' plans, fixed before any work: the OPD schedule and spool budget, and memory and disk estimates.
 
-Everything here is arithmetic on the config and the prompt-pool size, so
-``specforge-opd opd --dry-run`` can print it for a Qwen3-8B config on a laptop.
+Everything here is arithmetic on the config, the target's HF config and the prompt-pool
+size, so ``specforge-opd opd --dry-run`` and ``specforge-opd sft --dry-run`` can print it
+for a Qwen3-8B config on a laptop.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from .config import ExperimentConfig
 
@@ -295,3 +297,51 @@ def estimate_rank_memory(cfg: ExperimentConfig, target_config, world: int = 1, *
                              + out["recompute_lm_head"]) if cfg.training.feature_source == "target" else None
     return out
 
+
+def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Optional[int]) -> dict:
+    """Upper-bound memory and disk estimates of the SFT stage (bytes; no weights loaded).
+
+    Returns ``{"target_params", "target_weights_bytes", "drafter_params",
+    "train_memory_bytes_per_rank", "feature_bytes_per_sample_max", "features_disk_bytes_max",
+    "responses_disk_bytes_max", "max_sequence_tokens"}`` (the two disk totals None without
+    ``num_prompts``).
+
+    Sequences are assumed to fill ``data.max_prompt_tokens + sft.max_new_tokens``
+    (capped by ``target.max_context``). Features: S * n_layers * H * bytes of the
+    drafter's dtype (``drafter_dtype``) per sample. Train: fp32 drafter weights + grads + Adam moments (16 B/param),
+    the frozen embedding and lm_head in the run dtype, and SpecForge's DFlash
+    logits chunk of min(num_anchors, 128) blocks * block_size * vocab fp32 (x3 for
+    softmax and its gradient).
+    """
+    from .sft_features import drafter_dtype
+
+    t = getattr(target_config, "text_config", target_config)
+    H, V, L = int(t.hidden_size), int(t.vocab_size), int(t.num_hidden_layers)
+    dt = _DTYPE_BYTES[cfg.target.dtype]
+    S = min(cfg.target.max_context, cfg.data.max_prompt_tokens + cfg.sft.max_new_tokens)
+    n_ids = len(draft_config.dflash_config["target_layer_ids"])
+    inter = int(getattr(t, "intermediate_size", 4 * H))
+    n_experts = int(getattr(t, "num_experts", 0) or 0)
+    moe_inter = int(getattr(t, "moe_intermediate_size", 0) or 0)
+    heads, kv, hd = int(t.num_attention_heads), int(t.num_key_value_heads), int(getattr(t, "head_dim", H // t.num_attention_heads) or H // t.num_attention_heads)
+    attn = H * hd * (heads * 2 + kv * 2)
+    mlp = 3 * H * (moe_inter * n_experts if n_experts else inter)
+    target_params = L * (attn + mlp) + 2 * V * H
+    dl = draft_config.num_hidden_layers
+    d_inter = int(draft_config.intermediate_size)
+    d_attn = H * int(draft_config.head_dim) * (draft_config.num_attention_heads * 2 + draft_config.num_key_value_heads * 2)
+    draft_params = dl * (d_attn + 3 * H * d_inter) + n_ids * H * H
+    blocks = min(cfg.training.num_anchors, 128)
+    logits = blocks * draft_config.block_size * V * 4 * 3
+    per_sample = S * (n_ids * H * _DTYPE_BYTES[drafter_dtype(cfg)] + 16)
+    n = num_prompts
+    return {
+        "target_params": target_params,
+        "target_weights_bytes": target_params * dt,
+        "drafter_params": draft_params,
+        "train_memory_bytes_per_rank": draft_params * 16 + 2 * V * H * dt + logits * cfg.training.batch_size,
+        "feature_bytes_per_sample_max": per_sample,
+        "features_disk_bytes_max": per_sample * n if n else None,
+        "responses_disk_bytes_max": S * 8 * n if n else None,
+        "max_sequence_tokens": S,
+    }

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from .assets import atomic_write_text, cache_dir, package_file
+from .atomic import atomic_write_text
+from .locations import AssetError, cache_dir, package_file
 
 log = logging.getLogger(__name__)
 
@@ -445,8 +446,6 @@ def load_source(
         PromptsError: an unknown name (lists the known ones), a missing package
             (names the pip package), or an unavailable hub-only source.
     """
-    from .assets import AssetError
-
     if name in _OFFLINE:
         (pkg, rel, pip), parse = _OFFLINE[name]
         try:
@@ -565,3 +564,71 @@ def training_pool_with_stats(
 def training_pool(data_cfg, *, cache: Optional[str | os.PathLike] = None, tokenizer=None) -> list[PromptRecord]:
     """``training_pool_with_stats`` without the stats (they are logged). Raises PromptsError."""
     return training_pool_with_stats(data_cfg, cache=cache, tokenizer=tokenizer)[0]
+
+
+# ---------------------------------------------------------------------------
+# rendering and tokenizing for SFT response generation
+
+
+def render_training_prompt(tokenizer, record, cfg) -> str:
+    """The generation prompt of a ``PromptRecord`` exactly as rollout renders it.
+
+    ``record.messages`` (a conversation ending in a user turn) goes through
+    ``chat.render_prompt(..., thinking=cfg.target.thinking)``; a bare
+    ``record.prompt`` string becomes one user message. ``cfg``: an ``ExperimentConfig``.
+
+    Raises:
+        SFTError: the record has neither messages nor a prompt.
+    """
+    messages = getattr(record, "messages", None)
+    if not messages:
+        text = getattr(record, "prompt", None)
+        if not text:
+            from .stepkeys import SFTError
+
+            raise SFTError(f"prompt record {getattr(record, 'id', '?')!r} has neither messages nor a prompt")
+        messages = [{"role": "user", "content": text}]
+    from .chat import render_prompt
+
+    return render_prompt(tokenizer, messages, thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
+
+
+def prompt_limit(cfg) -> int:
+    """The most prompt tokens an SFT sample may have: ``data.max_prompt_tokens``, and room for
+    ``sft.max_new_tokens`` response tokens inside ``target.max_context``."""
+    return min(cfg.data.max_prompt_tokens, cfg.target.max_context - cfg.sft.max_new_tokens)
+
+
+def tokenize_prompts(records, tokenizer, cfg) -> tuple[list[tuple[str, list[int]]], int]:
+    """Render and tokenize prompt records (``render_training_prompt``), applying ``target.too_long``.
+
+    Returns ``([(id, prompt_ids)], n_skipped)``, the ids a list of ints per kept record, in
+    record order. The template already carries any BOS, so no special tokens are added.
+
+    Raises:
+        SFTError: a prompt is longer than ``prompt_limit(cfg)`` and ``target.too_long`` is
+            ``error``, or ``target.max_context`` leaves no room for ``sft.max_new_tokens``.
+    """
+    from .stepkeys import SFTError
+
+    limit = prompt_limit(cfg)
+    if limit <= 0:
+        raise SFTError(
+            f"target.max_context={cfg.target.max_context} leaves no room for prompts after "
+            f"sft.max_new_tokens={cfg.sft.max_new_tokens}; raise max_context or lower max_new_tokens"
+        )
+    out, skipped = [], 0
+    for r in records:
+        ids = tokenizer(render_training_prompt(tokenizer, r, cfg), add_special_tokens=False)["input_ids"]
+        if len(ids) > limit:
+            if cfg.target.too_long == "error":
+                raise SFTError(
+                    f"prompt {r.id!r} has {len(ids)} tokens > {limit} (min of data.max_prompt_tokens and "
+                    "target.max_context - sft.max_new_tokens); set target.too_long=skip or truncate_left"
+                )
+            if cfg.target.too_long == "skip":
+                skipped += 1
+                continue
+            ids = ids[-limit:]
+        out.append((str(r.id), list(ids)))
+    return out, skipped

@@ -135,7 +135,8 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
     """
     from .config import load_config
     from .drafter import read_drafter_metadata
-    from .sft import read_responses, supervised_tokens
+    from .responses import read_responses
+    from .sft_features import supervised_tokens
 
     export = Path(export)
     meta = read_drafter_metadata(export)

@@ -159,6 +159,27 @@ def resolve_target_path(path: str) -> Path:
                           "directory") from None
 
 
+def target_dir(cfg) -> str:
+    """The target's local HF directory for an ``ExperimentConfig``, as SpecForge's ``model.target_model_path``.
+
+    ``target.path`` unset: the embedded target (``assets.ensure_target``); a local directory
+    as resolved against the config; a hub id: its snapshot (``resolve_target_path``), so
+    SpecForge reads local files.
+
+    Raises:
+        TargetError: a hub id that cannot be fetched, or a path that does not exist.
+        assets.AssetError: the embedded target could not be prepared.
+    """
+    if cfg.target.path is None:
+        from .assets import ensure_target
+
+        return str(ensure_target())
+    p = cfg.resolve_path(cfg.target.path)
+    if p is not None and p.exists():
+        return str(p)
+    return str(resolve_target_path(cfg.target.path))
+
+
 def load_target(tcfg) -> TargetBundle:
     """Load the target of ``tcfg`` (a ``TargetConfig``).
 

@@ -12,7 +12,8 @@ from sft_helpers import make_target_dir
 
 from specforge_opd import compare, sft
 from specforge_opd.drafter import save_drafter
-from specforge_opd.flops import FlopsLedger
+from specforge_opd.flops import FlopsLedger, sft_flops
+from specforge_opd.responses import ResponseRecord
 
 
 def _write_configs(tmp_path, start: str, target: str):
@@ -47,8 +48,8 @@ def test_matched_baseline_starts_where_opd_started_and_spends_its_flops(tmp_path
     opd_flops = 3.3e9
     save_drafter(make_tiny_drafter(bundle.model, seed=2), tmp_path / "opd_run" / "final",
                  metadata={"opd_flops": FlopsLedger(drafter_train=3.0e9, teacher_lm_head=0.3e9).to_dict()})
-    responses = [sft.ResponseRecord(id=f"r{i}", prompt_ids=list(range(3, 13)), response_ids=list(range(20, 40)),
-                                    finished=True) for i in range(5)]
+    responses = [ResponseRecord(id=f"r{i}", prompt_ids=list(range(3, 13)), response_ids=list(range(20, 40)),
+                                finished=True) for i in range(5)]
     seen = {}
 
     def fake_run_sft(cfg, *, max_steps_for=None, **kw):
@@ -69,8 +70,8 @@ def test_matched_baseline_starts_where_opd_started_and_spends_its_flops(tmp_path
         assert cfg.data.slices == [0] and cfg.sft.reuse_from == str(tmp_path / "sft_run")
     from specforge_opd.drafter import load_draft_config
 
-    per_step = sft.sft_flops(cfg, load_draft_config(start), bundle.model.config, responses, steps=1,
-                             captured_here=False).drafter_train
+    per_step = sft_flops(cfg, load_draft_config(start), bundle.model.config, responses, steps=1,
+                         captured_here=False).drafter_train
     assert seen["steps"] == math.ceil(opd_flops / per_step) and seen["steps"] > 1
 
 

@@ -12,7 +12,8 @@ import torch
 from conftest import TINY_MASK
 from sft_helpers import STOP, make_prompts, make_target_dir, tiny_cfg
 
-from specforge_opd import sft
+from specforge_opd import prompts, responses, sft, sft_features, sft_train, stepkeys
+from specforge_opd.drafter import load_specforge_checkpoint
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def chat_render(monkeypatch):
             msgs = record.messages or [{"role": "user", "content": record.prompt}]
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
-        monkeypatch.setattr(sft, "render_training_prompt", render)
+        monkeypatch.setattr(prompts, "render_training_prompt", render)
 
 
 def test_sft_end_to_end_tiny(tmp_path, chat_render, capfd):
@@ -36,7 +37,7 @@ def test_sft_end_to_end_tiny(tmp_path, chat_render, capfd):
 
     # responses: one record per prompt, prompt ids = the rendered prompt
     r_dir = next((tmp_path / "run").glob("responses-*"))
-    recs = sft.read_responses(r_dir)
+    recs = responses.read_responses(r_dir)
     assert [r.id for r in recs] == [p.id for p in prompts]
     assert all(0 < len(r.response_ids) <= 8 for r in recs)
 
@@ -67,7 +68,7 @@ def test_sft_end_to_end_tiny(tmp_path, chat_render, capfd):
     from specforge_opd.drafter import load_drafter, read_drafter_metadata
 
     d = load_drafter(final, target_config=bundle.model.config)
-    ck = sft.load_specforge_checkpoint(t_marker["stats"]["checkpoint"], bundle.model.config)
+    ck = load_specforge_checkpoint(t_marker["stats"]["checkpoint"], bundle.model.config)
     for k, v in ck.state_dict().items():
         torch.testing.assert_close(d.state_dict()[k], v)
     meta = read_drafter_metadata(final)
@@ -156,7 +157,7 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
     _stop_before_train(monkeypatch)
 
     # kill during responses: the 2nd chunk's generation dies
-    real_gen = sft.generate_responses
+    real_gen = responses.generate_responses
     calls = []
 
     def gen(bundle_, batch, cfg_, seed, sample_ids=None):
@@ -165,7 +166,7 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
             raise KeyboardInterrupt
         return real_gen(bundle_, batch, cfg_, seed, sample_ids)
 
-    monkeypatch.setattr(sft, "generate_responses", gen)
+    monkeypatch.setattr(responses, "generate_responses", gen)
     with pytest.raises(KeyboardInterrupt):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     r_dir = next((tmp_path / "run").glob("responses-*"))
@@ -173,7 +174,7 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
     chunk0 = (r_dir / "chunk_00000.jsonl").stat().st_mtime_ns
 
     # kill during features: the 6th sample's forward dies
-    real_feat = sft.build_feature_sample
+    real_feat = sft_features.build_feature_sample
     n_feat = []
 
     def feat(*a, **k):
@@ -183,8 +184,8 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
         return real_feat(*a, **k)
 
     calls.clear()
-    monkeypatch.setattr(sft, "generate_responses", lambda *a, **k: (calls.append(k["sample_ids"]), real_gen(*a, **k))[1])
-    monkeypatch.setattr(sft, "build_feature_sample", feat)
+    monkeypatch.setattr(responses, "generate_responses", lambda *a, **k: (calls.append(k["sample_ids"]), real_gen(*a, **k))[1])
+    monkeypatch.setattr(sft_features, "build_feature_sample", feat)
     with pytest.raises(KeyboardInterrupt):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     # only chunks 1 and 2 were generated; chunk 0 was kept as written
@@ -192,30 +193,30 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
     assert (r_dir / "chunk_00000.jsonl").stat().st_mtime_ns == chunk0
     f_dir = next((tmp_path / "run").glob("features-*"))
     first = sorted(f_dir.glob("rows_*/data_*.ckpt"))
-    assert len(first) == 5 and not (f_dir / sft.MARKER).exists()
+    assert len(first) == 5 and not (f_dir / stepkeys.MARKER).exists()
     mtimes = {f.name: f.stat().st_mtime_ns for f in first}
 
     # rerun: the 5 finished samples are kept, the other 5 written, each response exactly once
     n_feat.clear()
-    monkeypatch.setattr(sft, "build_feature_sample", lambda *a, **k: (n_feat.append(1), real_feat(*a, **k))[1])
+    monkeypatch.setattr(sft_features, "build_feature_sample", lambda *a, **k: (n_feat.append(1), real_feat(*a, **k))[1])
     with pytest.raises(_Stop):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     assert len(n_feat) == 5
     files = sorted(f_dir.glob("rows_*/data_*.ckpt"))
     assert [f.name for f in files] == [f"data_{i:08d}.ckpt" for i in range(10)]
     assert all(files[i].stat().st_mtime_ns == mtimes[files[i].name] for i in range(5))
-    recs = sft.read_responses(r_dir)
+    recs = responses.read_responses(r_dir)
     assert [r.id for r in recs] == [f"p{i}" for i in range(10)]
     for f, r in zip(files, recs):
         assert torch.load(f, weights_only=True)["input_ids"].tolist() == r.prompt_ids + r.response_ids
     # and the same responses an uninterrupted run generates (greedy, per-prompt seeding)
-    again = sft.generate_responses(bundle, [r.prompt_ids for r in recs[4:8]], cfg, seed=cfg.data.seed,
+    again = responses.generate_responses(bundle, [r.prompt_ids for r in recs[4:8]], cfg, seed=cfg.data.seed,
                                    sample_ids=["p4", "p5", "p6", "p7"])
-    assert [sft._cut_at_stop(o, {STOP}, 8)[0] for o in again] == [r.response_ids for r in recs[4:8]]
+    assert [responses._cut_at_stop(o, {STOP}, 8)[0] for o in again] == [r.response_ids for r in recs[4:8]]
 
 
 def _rec(i, prompt_len, resp_len):
-    return sft.ResponseRecord(id=f"s{i}", prompt_ids=list(range(3, 3 + prompt_len)),
+    return responses.ResponseRecord(id=f"s{i}", prompt_ids=list(range(3, 3 + prompt_len)),
                               response_ids=list(range(10, 10 + resp_len)), finished=True)
 
 
@@ -224,10 +225,10 @@ def test_zero_supervised_samples_dropped_with_count(tmp_path):
     cfg = tiny_cfg(tmp_path / "run")  # max_context 64
     recs = [_rec(0, 5, 6), _rec(1, 5, 0), _rec(2, 5, 1), _rec(3, 63, 4), _rec(4, 62, 4), _rec(5, 70, 3)]
     # supervised tokens: 6, 0 (empty response), 1 (no two consecutive), 1 (truncated), 2, 0 (prompt fills context)
-    assert [sft.supervised_tokens(r, 64) for r in recs] == [6, 0, 1, 1, 2, 0]
+    assert [sft_features.supervised_tokens(r, 64) for r in recs] == [6, 0, 1, 1, 2, 0]
     f_dir = tmp_path / "feat"
     with pytest.warns(UserWarning, match="dropped 4 of 6 samples"):
-        stats = sft.run_features(f_dir, recs, lambda: bundle.model, [2], cfg)
+        stats = sft_features.run_features(f_dir, recs, lambda: bundle.model, [2], cfg)
     assert stats["samples"] == 2 and stats["dropped"] == 4 and stats["supervised_tokens"] == 8
     assert stats["dropped_ids"] == ["s1", "s2", "s3", "s5"]
     files = sorted(f_dir.glob("rows_*/data_*.ckpt"))
@@ -241,7 +242,7 @@ def test_no_supervised_samples_left_is_an_error(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(sft.SFTError, match="none of 2 samples"):
-            sft.run_features(tmp_path / "feat", [_rec(0, 4, 0), _rec(1, 4, 1)], lambda: None, [2], cfg)
+            sft_features.run_features(tmp_path / "feat", [_rec(0, 4, 0), _rec(1, 4, 1)], lambda: None, [2], cfg)
     assert not list((tmp_path / "feat").glob("rows_*/*.ckpt"))
 
 
@@ -249,27 +250,27 @@ def test_killed_training_resumes_from_specforge_checkpoint(tmp_path, chat_render
     bundle = make_target_dir(tmp_path / "target")
     cfg = tiny_cfg(tmp_path / "run", **{"sft.save_interval": 2, "sft.verify_prompts": 0})
     prompts = make_prompts(8)
-    real_call = sft.subprocess.call
+    real_call = sft_train.subprocess.call
 
     def crash_after_4_steps(cmd, **kw):
         # SpecForge runs 4 of its 8 steps (checkpoints at 2 and 4), then the process "dies"
         real_call(cmd + ["training.max_steps=4", "training.total_steps=8"], **kw)
         return 137
 
-    monkeypatch.setattr(sft.subprocess, "call", crash_after_4_steps)
+    monkeypatch.setattr(sft_train.subprocess, "call", crash_after_4_steps)
     with pytest.raises(sft.SFTError, match="status 137.*resumes"):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     ckpts = next((tmp_path / "run").glob("train-*")) / "checkpoints"
-    assert sft.latest_checkpoint(ckpts).name == "sft-step4"
-    monkeypatch.setattr(sft.subprocess, "call", real_call)
+    assert sft_train.latest_checkpoint(ckpts).name == "sft-step4"
+    monkeypatch.setattr(sft_train.subprocess, "call", real_call)
     capfd.readouterr()
     sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     out = capfd.readouterr().out
     assert "resuming SpecForge from sft-step4" in out
     steps = [int(m) for m in __import__("re").findall(r"^step (\d+):", out, flags=__import__("re").M)]
     assert steps == [5, 6, 7, 8]  # no step trained twice
-    assert sft.latest_checkpoint(ckpts).name == "sft-step8"
-    state = torch.load(sft.latest_checkpoint(ckpts) / "training_state.pt", weights_only=True)
+    assert sft_train.latest_checkpoint(ckpts).name == "sft-step8"
+    state = torch.load(sft_train.latest_checkpoint(ckpts) / "training_state.pt", weights_only=True)
     assert state["global_step"] == 8 and state["epoch_samples"] == 8
 
 
@@ -284,12 +285,12 @@ def test_validation_curve_segments_select_and_resume(tmp_path, chat_render, monk
     prompts, held = make_prompts(8), make_prompts(2, start=20)
     plain = tiny_cfg(tmp_path / "plain", **{"sft.verify_prompts": 0})
     sft.run_sft(plain, bundle=bundle, prompts=prompts, target_path=bundle.path)
-    ref_ckpt = sft.latest_checkpoint(next((tmp_path / "plain").glob("train-*")) / "checkpoints")
-    ref = sft.load_specforge_checkpoint(ref_ckpt, bundle.model.config).state_dict()
+    ref_ckpt = sft_train.latest_checkpoint(next((tmp_path / "plain").glob("train-*")) / "checkpoints")
+    ref = load_specforge_checkpoint(ref_ckpt, bundle.model.config).state_dict()
 
     cfg = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 0, "sft.val_prompts": 2, "sft.val_interval": 3,
                                         "sft.select": "best_val"})
-    real_call = sft.subprocess.call
+    real_call = sft_train.subprocess.call
     calls = []
 
     def die_on_second_segment(cmd, **kw):
@@ -298,12 +299,12 @@ def test_validation_curve_segments_select_and_resume(tmp_path, chat_render, monk
             return 137
         return real_call(cmd, **kw)
 
-    monkeypatch.setattr(sft.subprocess, "call", die_on_second_segment)
+    monkeypatch.setattr(sft_train.subprocess, "call", die_on_second_segment)
     with pytest.raises(sft.SFTError, match="status 137"):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path, val_prompts=held)
     t_dir = next((tmp_path / "run").glob("train-*"))
     assert [p["step"] for p in read_curve(t_dir)] == [3]
-    monkeypatch.setattr(sft.subprocess, "call", real_call)
+    monkeypatch.setattr(sft_train.subprocess, "call", real_call)
     capfd.readouterr()
     final = sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path, val_prompts=held)
     out = capfd.readouterr().out
@@ -314,7 +315,7 @@ def test_validation_curve_segments_select_and_resume(tmp_path, chat_render, monk
     assert all(p["tau"] >= 1.0 and p["drafter_flops"] > 0 for p in curve)
     assert curve[0]["drafter_flops"] < curve[1]["drafter_flops"] < curve[2]["drafter_flops"]
     # the last segment's checkpoint is what one uninterrupted run produces
-    last = sft.load_specforge_checkpoint(curve[-1]["checkpoint"], bundle.model.config).state_dict()
+    last = load_specforge_checkpoint(curve[-1]["checkpoint"], bundle.model.config).state_dict()
     for k, v in ref.items():
         torch.testing.assert_close(last[k], v)
     # the export is the best point (earliest of equals), from its own curve export
@@ -391,7 +392,7 @@ def test_plateau_stops_training_before_the_step_cap(tmp_path, chat_render, monke
     assert steps == [1, 2, 3, 4]  # segments to 2 and 4; the flat point at 4 stops it before 10
     assert "plateau at step 4" in out
     t_dir = next((tmp_path / "run").glob("train-*"))
-    stats = json.loads((t_dir / sft.MARKER).read_text())["stats"]
+    stats = json.loads((t_dir / stepkeys.MARKER).read_text())["stats"]
     assert stats["plateau_step"] == 4 and stats["step"] == 4 and [p["step"] for p in stats["curve"]] == [2, 4]
     assert stats["selected"]["step"] == 2  # the earliest of equal taus
 
@@ -403,7 +404,7 @@ def test_bf16_drafter_training_on_cpu(tmp_path, chat_render):
 
     bundle = make_target_dir(tmp_path / "target")
     cfg = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 1, "training.mixed_precision": "bf16"})
-    assert sft.drafter_dtype(cfg) == "bfloat16" and sft.drafter_dtype(tiny_cfg(tmp_path / "x")) == "float32"
+    assert sft_features.drafter_dtype(cfg) == "bfloat16" and sft_features.drafter_dtype(tiny_cfg(tmp_path / "x")) == "float32"
     final = sft.run_sft(cfg, bundle=bundle, prompts=make_prompts(6), target_path=bundle.path)
     f_dir = next((tmp_path / "run").glob("features-*"))
     sample = torch.load(sorted(f_dir.glob("rows_*/data_*.ckpt"))[0], weights_only=True)
@@ -434,14 +435,14 @@ def test_pause_exports_the_best_point_so_far_and_the_same_command_continues(tmp_
     out = capfd.readouterr().out
     assert "pausing at step 4" in out
     t_dir = next((tmp_path / "run").glob("train-*"))
-    assert not (t_dir / sft.MARKER).exists()
+    assert not (t_dir / stepkeys.MARKER).exists()
     meta = read_drafter_metadata(final)
     assert meta["step"] == 4 and meta["validation"]["paused_at"] == 4 and meta["validation"]["selected_tau"] == 1.3
     sft.run_sft(tiny_cfg(tmp_path / "run", **over), **args)
     out = capfd.readouterr().out
     steps = [int(m) for m in __import__("re").findall(r"^step (\d+):", out, flags=__import__("re").M)]
     assert steps == [5, 6, 7, 8]  # continued, nothing trained twice
-    assert (t_dir / sft.MARKER).exists()
+    assert (t_dir / stepkeys.MARKER).exists()
     meta = read_drafter_metadata(final)
     assert meta["step"] == 8 and meta["validation"]["paused_at"] is None and meta["validation"]["selected_tau"] == 1.5
 
@@ -452,7 +453,7 @@ def test_train_key_covers_the_fields_specforge_reads_and_only_those(tmp_path):
     from specforge_opd.config import TrainingConfig
 
     cfg = tiny_cfg(tmp_path / "run")
-    run = sft.specforge_run_config(cfg, target_path="t", draft_config_file=tmp_path / "c.json", features=tmp_path,
+    run = sft_train.specforge_run_config(cfg, target_path="t", draft_config_file=tmp_path / "c.json", features=tmp_path,
                                    out_dir=tmp_path / "o", num_samples=8, mask_token_id=5, gpus=0)
     for name in TrainingConfig.model_fields:
         changed = {"lr_scheduler": "constant", "attention_backend": "eager", "mixed_precision": "bf16"}.get(name)
@@ -462,7 +463,7 @@ def test_train_key_covers_the_fields_specforge_reads_and_only_those(tmp_path):
                 continue
             changed = default * 2 if default else 1
         other = cfg.model_copy(update={"training": cfg.training.model_copy(update={name: changed})})
-        run2 = sft.specforge_run_config(other, target_path="t", draft_config_file=tmp_path / "c.json", features=tmp_path,
+        run2 = sft_train.specforge_run_config(other, target_path="t", draft_config_file=tmp_path / "c.json", features=tmp_path,
                                         out_dir=tmp_path / "o", num_samples=8, mask_token_id=5, gpus=0)
-        keyed = sft.sft_training_inputs(other) != sft.sft_training_inputs(cfg)
+        keyed = sft_train.sft_training_inputs(other) != sft_train.sft_training_inputs(cfg)
         assert keyed == (run2 != run), f"training.{name}: in the key {keyed}, changes the SpecForge run {run2 != run}"

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from specforge_opd.config import load_config
-from specforge_opd import sft
-from specforge_opd.sft import LAUNCH_FILE, Nodes, SFTError, follow_node0, nodes_from_env, specforge_run_config
+from specforge_opd import sft, sft_train
+from specforge_opd.sft import SFTError
+from specforge_opd.sft_train import LAUNCH_FILE, Nodes, follow_node0, nodes_from_env, specforge_run_config
 
 
 def test_nodes_from_env():
@@ -41,7 +42,7 @@ def test_run_config_spans_the_nodes(tmp_path):
     assert one["deployment"] == {"trainer": {"nproc_per_node": 8}}
     assert two["deployment"]["trainer"] == {"nproc_per_node": 8, "nnodes": 2, "master_addr": "10.0.0.1", "master_port": 29511}
     assert "node_rank" not in two["deployment"]["trainer"]  # each node's SpecForge reads NODE_RANK: one run.yaml for all
-    sft.validate_specforge_run(two)  # SpecForge's own schema accepts it
+    sft_train.validate_specforge_run(two)  # SpecForge's own schema accepts it
     # 1600 samples over 8 ranks -> 200 steps; over 16 ranks -> 100 (the save interval follows)
     assert one["training"]["save_interval"] == 200 // 5 and two["training"]["save_interval"] == 100 // 5
     with pytest.raises(SFTError, match="multi-node SFT needs GPUs"):
@@ -54,25 +55,25 @@ def _fake_specforge(monkeypatch, log: Path):
         code = f"open({str(log)!r}, 'a').write({str(run_yaml)!r} + '\\n')"
         return [sys.executable, "-c", code], {}
 
-    monkeypatch.setattr(sft, "_specforge_train_cmd", cmd)
+    monkeypatch.setattr(sft_train, "_specforge_train_cmd", cmd)
 
 
 def test_follower_joins_each_launch_until_node0_ends(tmp_path, monkeypatch):
     log = tmp_path / "joined.txt"
     _fake_specforge(monkeypatch, log)
-    sft._publish_launch(tmp_path, end=True)  # an earlier run's end: not this run's
+    sft_train._publish_launch(tmp_path, end=True)  # an earlier run's end: not this run's
     time.sleep(0.01)
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("final", follow_node0(tmp_path, poll_s=0.02, idle_timeout_s=30)))
     th.start()
     for seg in ("a", "b"):
         time.sleep(0.15)
-        sft._publish_launch(tmp_path, tmp_path / f"train-x/run-{seg}.yaml")
+        sft_train._publish_launch(tmp_path, tmp_path / f"train-x/run-{seg}.yaml")
         for _ in range(200):
             if log.is_file() and log.read_text().count("\n") == ("a", "b").index(seg) + 1:
                 break
             time.sleep(0.02)
-    sft._publish_launch(tmp_path, end=True)
+    sft_train._publish_launch(tmp_path, end=True)
     th.join(10)
     assert not th.is_alive()
     assert result["final"] == tmp_path / "final"
@@ -92,7 +93,7 @@ def test_follower_stops_on_node0_error_and_on_silence(tmp_path, monkeypatch):
     th = threading.Thread(target=follow)
     th.start()
     time.sleep(0.1)
-    sft._publish_launch(tmp_path, end=True, error="SFTError: features failed")
+    sft_train._publish_launch(tmp_path, end=True, error="SFTError: features failed")
     th.join(10)
     assert errors and "node 0 stopped with an error (SFTError: features failed)" in errors[0]
     (tmp_path / LAUNCH_FILE).unlink()
@@ -101,8 +102,8 @@ def test_follower_stops_on_node0_error_and_on_silence(tmp_path, monkeypatch):
 
 
 def test_follower_fails_when_its_specforge_fails(tmp_path, monkeypatch):
-    monkeypatch.setattr(sft, "_specforge_train_cmd", lambda run_yaml: ([sys.executable, "-c", "raise SystemExit(3)"], {}))
-    sft._publish_launch(tmp_path, tmp_path / "run.yaml")  # published before this node started: still joined
+    monkeypatch.setattr(sft_train, "_specforge_train_cmd", lambda run_yaml: ([sys.executable, "-c", "raise SystemExit(3)"], {}))
+    sft_train._publish_launch(tmp_path, tmp_path / "run.yaml")  # published before this node started: still joined
     with pytest.raises(SFTError, match="status 3 on this node"):
         follow_node0(tmp_path, poll_s=0.01, idle_timeout_s=5)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_opd import sft
+from specforge_opd import responses, sft
 from specforge_opd.config import load_config
 from specforge_opd.drafter import load_drafter
 from specforge_opd.evaluate import TrajectoryCache, offline_tau
@@ -38,7 +38,7 @@ def test_sft_overfits_four_real_sequences(tmp_path):
     ])
     bundle = load_target(cfg.target)
     final = sft.run_sft(cfg, bundle=bundle)
-    recs = sft.read_responses(next((tmp_path / "sft").glob("responses-*")))
+    recs = responses.read_responses(next((tmp_path / "sft").glob("responses-*")))
     assert len(recs) >= 3  # a prompt over the length limit is skipped, as in the main job
     drafter = load_drafter(final, target_config=bundle.model.config).eval()
     # the training sequences themselves: at T=0 the responses are the target's greedy trajectories

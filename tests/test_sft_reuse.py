@@ -11,8 +11,7 @@ import torch
 
 from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 
-from specforge_opd import sft
-from specforge_opd.drafter import DrafterError, save_drafter
+from specforge_opd.drafter import DrafterError, load_any_drafter, load_specforge_checkpoint, save_drafter
 
 
 def _specforge_run(root: Path, drafter, step: int = 8) -> Path:
@@ -49,7 +48,7 @@ def test_load_specforge_checkpoint_every_path_form(tmp_path):
     drafter = make_tiny_drafter(target, block_size=4, layers=2)
     step = _specforge_run(tmp_path, drafter)
     for p in (step, step / "training_state.pt", tmp_path / "sft-latest", tmp_path):
-        got = sft.load_any_drafter(p, target.config)
+        got = load_any_drafter(p, target.config)
         _same(got, drafter)
         assert got.block_size == 4 and got.config.dflash_config["target_layer_ids"] == [1, 1]
         assert got.config.dflash_config["mask_token_id"] == TINY_MASK
@@ -59,7 +58,7 @@ def test_load_any_drafter_hf_export(tmp_path):
     target = make_tiny_target()
     drafter = make_tiny_drafter(target)
     save_drafter(drafter, tmp_path / "final")
-    _same(sft.load_any_drafter(tmp_path / "final", target.config, expected_mask_token_id=TINY_MASK), drafter)
+    _same(load_any_drafter(tmp_path / "final", target.config, expected_mask_token_id=TINY_MASK), drafter)
 
 
 @pytest.mark.parametrize(
@@ -77,16 +76,16 @@ def test_incompatible_target_says_what_does_not_fit(tmp_path, other, expect):
     _specforge_run(tmp_path / "run", drafter)
     other_target = make_tiny_target(**other)
     with pytest.raises(DrafterError, match=expect.replace("'", ".")):
-        sft.load_any_drafter(tmp_path / "final", other_target.config)
+        load_any_drafter(tmp_path / "final", other_target.config)
     with pytest.raises(DrafterError, match="does not fit the target"):
-        sft.load_any_drafter(tmp_path / "run", other_target.config)
+        load_any_drafter(tmp_path / "run", other_target.config)
 
 
 def test_mask_token_mismatch(tmp_path):
     target = make_tiny_target()
     save_drafter(make_tiny_drafter(target), tmp_path / "final")
     with pytest.raises(DrafterError, match="mask_token_id 96 != configured draft.mask_token_id 5"):
-        sft.load_any_drafter(tmp_path / "final", target.config, expected_mask_token_id=5)
+        load_any_drafter(tmp_path / "final", target.config, expected_mask_token_id=5)
 
 
 class _Payload:
@@ -107,7 +106,7 @@ def test_unsafe_checkpoint_is_refused_not_unpickled(tmp_path):
     state["extra"] = _Payload()
     torch.save(state, step / "training_state.pt")
     with pytest.raises(DrafterError, match="cannot be read safely"):
-        sft.load_specforge_checkpoint(step, target.config)
+        load_specforge_checkpoint(step, target.config)
     assert not (tmp_path / "pwned").exists()
 
 
@@ -115,9 +114,9 @@ def test_not_a_drafter(tmp_path):
     target = make_tiny_target()
     (tmp_path / "empty").mkdir()
     with pytest.raises(DrafterError, match="no SpecForge checkpoint"):
-        sft.load_any_drafter(tmp_path / "empty", target.config)
+        load_any_drafter(tmp_path / "empty", target.config)
     with pytest.raises(DrafterError, match="does not exist"):
-        sft.load_any_drafter(tmp_path / "missing", target.config)
+        load_any_drafter(tmp_path / "missing", target.config)
 
 
 def test_checkpoint_without_its_draft_config_warns_that_vocab_is_unchecked(tmp_path):
@@ -126,4 +125,4 @@ def test_checkpoint_without_its_draft_config_warns_that_vocab_is_unchecked(tmp_p
     _specforge_run(tmp_path, drafter)
     (tmp_path / "draft" / "config.json").write_text("{}")  # changed since training: not trusted
     with pytest.warns(UserWarning, match="cannot be checked"):
-        _same(sft.load_any_drafter(tmp_path, target.config), drafter)
+        _same(load_any_drafter(tmp_path, target.config), drafter)

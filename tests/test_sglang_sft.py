@@ -1,11 +1,12 @@
-"""SFT responses through SGLang (``sft.sglang_generate``): one request per prompt, bounded in flight, timeouts
+"""SFT responses through SGLang (``responses.sglang_generate``): one request per prompt, bounded in flight, timeouts
 that grow with the response length, against the stand-in's plain (greedy) generation."""
 
 from __future__ import annotations
 
 import pytest
 
-from specforge_opd.sft import SFTError, sglang_generate
+from specforge_opd.responses import sglang_generate
+from specforge_opd.sft import SFTError
 from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
 
 from conftest import make_tiny_target

@@ -79,7 +79,7 @@ def test_hub_id_targets_load_through_a_snapshot_and_fail_offline_by_name(tmp_pat
     missing directory; offline and uncached it names target.path and the fix."""
     import huggingface_hub
 
-    from specforge_opd import sft
+    from specforge_opd import target
     from specforge_opd.config import load_config
     from specforge_opd.target import looks_like_hub_id, resolve_target_path
 
@@ -98,7 +98,7 @@ def test_hub_id_targets_load_through_a_snapshot_and_fail_offline_by_name(tmp_pat
     b = load_target(TargetConfig(path="Qwen/Qwen3-8B", device="cpu"))
     assert b.path == snap and calls == [("Qwen/Qwen3-8B", True), ("Qwen/Qwen3-8B", False)]
     # SpecForge gets the snapshot directory, not the hub id
-    assert sft.target_dir(load_config(None, ["target.path=Qwen/Qwen3-8B"])) == str(snap)
+    assert target.target_dir(load_config(None, ["target.path=Qwen/Qwen3-8B"])) == str(snap)
 
     def offline(repo_id, allow_patterns=None, local_files_only=False):
         raise huggingface_hub.errors.LocalEntryNotFoundError("offline and not in the cache")
