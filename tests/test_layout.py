@@ -1,0 +1,71 @@
+"""Package layout rules, checked on the source: the SFT stage's module is imported by the stage alone, and
+no two modules import each other at module level."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "specforge_opd"
+#: The SFT stage: the modules allowed to import ``specforge_opd.sft``.
+SFT_STAGE = {"sft", "sft_features", "sft_train"}
+#: The stage's entry point, which the main job's comparison runs for its matched-FLOPs baseline.
+SFT_ENTRY = {"compare": {"run_sft"}}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PKG).with_suffix("").parts)
+    return ".".join(p for p in parts if p != "__init__")
+
+
+def _imports(path: Path, top_level_only: bool):
+    """(module imported, names taken from it) for every import statement of ``path``, relative ones resolved."""
+    pkg = ["specforge_opd"] + list(path.relative_to(PKG).parent.parts)
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, set()
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            if node.module is None:
+                for a in node.names:
+                    yield f"{mod}.{a.name}", set()
+            else:
+                yield mod, {a.name for a in node.names}
+
+
+def test_nothing_outside_the_sft_stage_imports_sft():
+    offenders = []
+    for f in sorted(PKG.rglob("*.py")):
+        me = _module(f)
+        if me in SFT_STAGE:
+            continue
+        for mod, names in _imports(f, top_level_only=False):
+            if mod == "specforge_opd.sft" and not (names and names <= SFT_ENTRY.get(me, set())):
+                offenders.append(f"{me}: {mod} {sorted(names)}")
+    assert not offenders, offenders
+
+
+def test_no_module_level_import_cycles():
+    graph = {}
+    for f in PKG.rglob("*.py"):
+        graph[f"specforge_opd.{_module(f)}".rstrip(".")] = {m for m, _ in _imports(f, top_level_only=True)
+                                                            if m.startswith("specforge_opd")}
+    assert "specforge_opd.prompts" not in graph["specforge_opd.assets"]
+    assert "specforge_opd.assets" not in graph["specforge_opd.prompts"]
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            assert state.get(d) != 1, "import cycle: " + " -> ".join(path + [d])
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
