@@ -12,7 +12,7 @@ setup(
     description="Draft-OPD: on-policy distillation for speculative-decoding draft models",
     python_requires=">=3.11",
     packages=find_packages(include=["specforge_opd", "specforge_opd.*"]),
-    package_data={"specforge_opd": ["fixtures/**/*", "fixtures/*", "published/**/*", "published/*"]},
+    package_data={"specforge_opd": ["fixtures/**/*", "fixtures/*", "models/published/**/*", "models/published/*"]},
     install_requires=[
         "torch>=2.11",
         # no upper pin: SGLang 0.5.23 pins transformers 5.19 and torch 2.14 in its own env;

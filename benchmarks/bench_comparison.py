@@ -57,7 +57,7 @@ def main() -> int:
     args = p.parse_args()
     out = ROOT / args.out
     from specforge_opd.config import load_config
-    from specforge_opd.published import SCHEME
+    from specforge_opd.models.published import SCHEME
 
     opd_cfg = load_config(ROOT / args.opd_config)
     start = opd_cfg.draft.path  # the SFT row is the drafter OPD starts from
@@ -72,7 +72,7 @@ def main() -> int:
             sh(["bash", "scripts/train_opd.sh", args.opd_config, f"output.dir={run}", *VARIANTS[v], *seed_ov])
             drafters.setdefault(f"OPD {v}", {})[seed] = run / "final"
         # (b): continued SFT for the FLOPs of the seed's mixed OPD run
-        from specforge_opd.compare import run_matched_sft
+        from specforge_opd.stages.compare import run_matched_sft
 
         mixed = out / f"opd-mixed-s{seed}"
         if mixed.is_dir():
@@ -88,7 +88,7 @@ def main() -> int:
     sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(out / "eval"),
         "eval.speedup=false", *prompts_ov, *eval_args])
     result = json.loads((out / "eval" / "eval.json").read_text())
-    from specforge_opd.stats import bootstrap_mean_tau, counts_of, interval
+    from specforge_opd.eval.stats import bootstrap_mean_tau, counts_of, interval
 
     names = [n for n in result["drafters"] if result["drafters"][n]["datasets"]]
     reps = bootstrap_mean_tau({n: counts_of(result, n) for n in names}, replicates=args.replicates, seed=0)

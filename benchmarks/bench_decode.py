@@ -85,8 +85,8 @@ def matmul_rate(dtype, n: int = 2048, reps: int = 5) -> float:
 
 def load_prompts(tokenizer, n: int) -> list[list[int]]:
     from specforge_opd.config import load_config
-    from specforge_opd.prompts import training_pool
-    from specforge_opd.sft import _prompt_limit, render_training_prompt
+    from specforge_opd.data.prompts import training_pool
+    from specforge_opd.stages.sft import _prompt_limit, render_training_prompt
 
     cfg = load_config("configs/tiny/sft.yaml")
     limit = _prompt_limit(cfg)
@@ -114,9 +114,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specforge_opd.assets import ensure_target
-    from specforge_opd.flops import target_forward_flops
-    from specforge_opd.rollout import _step_mask, autoregressive_generate
+    from specforge_opd.data.assets import ensure_target
+    from specforge_opd.eval.flops import target_forward_flops
+    from specforge_opd.rollout.engine import _step_mask, autoregressive_generate
 
     path = ensure_target(progress=False)
     tok = AutoTokenizer.from_pretrained(path)
@@ -164,8 +164,8 @@ def main() -> None:
                   f"{dec / ceil['matmul']:.0%}", flush=True)
         # verify step vs decode step on a prompt's cache
         try:
-            from specforge_opd.decode import TargetRunner
-            from specforge_opd.rollout import left_pad, prefill
+            from specforge_opd.rollout.decode import TargetRunner
+            from specforge_opd.rollout.engine import left_pad, prefill
         except ImportError:  # a checkout from before the static-cache decode path: decode rows only
             args.verify_batch = []
         else:

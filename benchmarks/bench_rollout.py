@@ -33,12 +33,12 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specforge_opd.assets import EMBEDDED_MASK_TOKEN_ID, ensure_target
-    from specforge_opd.chat import render_prompt
+    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID, ensure_target
+    from specforge_opd.data.chat import render_prompt
     from specforge_opd.config import RolloutConfig
-    from specforge_opd.drafter import build_drafter, derive_draft_config, drafter_mask_token_id, load_drafter
-    from specforge_opd.prompts import eval_prompts
-    from specforge_opd.rollout import SpeculativeEngine, autoregressive_generate
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config, drafter_mask_token_id, load_drafter
+    from specforge_opd.data.prompts import eval_prompts
+    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
 
     path = ensure_target(progress=False)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()

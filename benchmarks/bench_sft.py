@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specforge_opd import sft
+from specforge_opd.stages import sft
 from specforge_opd.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def specforge_step_s(cfg, work: Path, features: Path, n: int, steps: int, log_in
     import yaml
 
     (work / "run.yaml").write_text(yaml.safe_dump(run))
-    from specforge_opd.adapter import specforge_cli_module
+    from specforge_opd.models.adapter import specforge_cli_module
 
     out = subprocess.run([sys.executable, "-m", specforge_cli_module(), "train", "-c", str(work / "run.yaml")],
                          capture_output=True, text=True)
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_sft.json"))
     args = ap.parse_args()
     base = load_config(args.config, [])
-    from specforge_opd.target import apply_threads
+    from specforge_opd.models.target import apply_threads
 
     apply_threads(base.target.threads)
     from safetensors import safe_open

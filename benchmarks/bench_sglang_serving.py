@@ -69,8 +69,8 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from specforge_opd.chat import render_prompt
-    from specforge_opd.prompts import eval_prompts
+    from specforge_opd.data.chat import render_prompt
+    from specforge_opd.data.prompts import eval_prompts
 
     tok = AutoTokenizer.from_pretrained(a.target)
     sets = {}

@@ -100,7 +100,7 @@ def section_env(args, out: Section) -> None:
     import specforge
     import transformers
 
-    import specforge_opd.trainer  # noqa: F401  (the project imports end to end)
+    import specforge_opd.train.trainer  # noqa: F401  (the project imports end to end)
 
     site = os.environ.get("GPU_CHECK_SITE")
     info = {
@@ -127,7 +127,7 @@ def section_env(args, out: Section) -> None:
 def _tiny_models(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specforge_opd.drafter import build_drafter, derive_draft_config
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -144,9 +144,9 @@ def section_equality(args, out: Section) -> None:
     import copy
 
     from specforge_opd.config import RolloutConfig
-    from specforge_opd.losses import plan_slots, slot_coefficients
-    from specforge_opd.rollout import SpeculativeEngine, autoregressive_generate
-    from specforge_opd.trainer import sequence_loss
+    from specforge_opd.train.losses import plan_slots, slot_coefficients
+    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
+    from specforge_opd.train.trainer import sequence_loss
 
     device = _device(args.cpu)
     target, drafter = _tiny_models()
@@ -245,12 +245,12 @@ def _shapes(args):
 
 
 def section_trainer(args, out: Section) -> None:
-    from specforge_opd.adapter import OnlineDFlashModel
-    from specforge_opd.drafter import build_drafter, derive_draft_config, drafter_layer_ids
-    from specforge_opd.losses import plan_slots, slot_coefficients
-    from specforge_opd.records import RolloutRecord
-    from specforge_opd.replay import recompute_from_target
-    from specforge_opd.trainer import sequence_group_losses
+    from specforge_opd.models.adapter import OnlineDFlashModel
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config, drafter_layer_ids
+    from specforge_opd.train.losses import plan_slots, slot_coefficients
+    from specforge_opd.rollout.records import RolloutRecord
+    from specforge_opd.train.replay import recompute_from_target
+    from specforge_opd.train.trainer import sequence_group_losses
 
     device = _device(args.cpu)
     sh = _shapes(args)
@@ -351,8 +351,8 @@ def section_trainer(args, out: Section) -> None:
 
 def section_rollout(args, out: Section) -> None:
     from specforge_opd.config import RolloutConfig
-    from specforge_opd.drafter import build_drafter, derive_draft_config
-    from specforge_opd.rollout import SpeculativeEngine, autoregressive_generate
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config
+    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
 
     device = _device(args.cpu)
     sh = _shapes(args)

@@ -28,7 +28,7 @@ bash scripts/train_opd.sh configs/tiny/opd.yaml "$@" "${START[@]}"
 t3=$(date +%s)
 stage "matched-FLOPs SFT baseline + evaluation"
 # stage times of a resumed run count only this run's work
-$PY -m specforge_opd.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml \
+$PY -m specforge_opd.stages.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml \
   --summary runs/tiny/summary.json --stage-seconds assets=$((t1 - t0)) sft=$((t2 - t1)) opd=$((t3 - t2)) -- "$@" "${START[@]}"
 echo
 echo "demo finished in $(( $(date +%s) - t0 ))s; OPD report: runs/tiny/opd/report.md; summary: runs/tiny/summary.json"

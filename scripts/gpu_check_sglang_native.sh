@@ -24,8 +24,8 @@ exec .venv/bin/python - <<PY
 import asyncio, re, torch
 from transformers import AutoModelForCausalLM
 from specforge_opd.config import SGLangConfig
-from specforge_opd.drafter import load_drafter
-from specforge_opd.records import tau_of
+from specforge_opd.models.drafter import load_drafter
+from specforge_opd.rollout.records import tau_of
 from specforge_opd.sglang.launcher import SGLangServer, Endpoints, mode_env, server_args
 from specforge_opd.sglang.native import HOOK_TARGETS, native_rollout_async
 from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_sequence

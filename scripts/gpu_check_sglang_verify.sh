@@ -16,8 +16,8 @@ exec .venv/bin/python - <<PY
 import asyncio, torch
 from transformers import AutoModelForCausalLM
 from specforge_opd.config import SGLangConfig, RolloutConfig
-from specforge_opd.drafter import load_drafter
-from specforge_opd.rollout import SpeculativeEngine
+from specforge_opd.models.drafter import load_drafter
+from specforge_opd.rollout.engine import SpeculativeEngine
 from specforge_opd.sglang.launcher import SGLangServer, Endpoints, server_args
 from specforge_opd.sglang.speculate import Drafter
 from specforge_opd.sglang.verify_client import verify_rollout_async

@@ -12,18 +12,18 @@ import importlib
 import sys
 from typing import Callable, Optional
 
-from .config import ConfigError, ExperimentConfig, load_config
+from specforge_opd.config import ConfigError, ExperimentConfig, load_config
 
 #: verb -> "module:function" (function(argv: list[str]) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare-assets": ("specforge_opd.assets:cli", "convert the embedded target and unpack offline prompt sets"),
+    "prepare-assets": ("specforge_opd.data.assets:cli", "convert the embedded target and unpack offline prompt sets"),
     "config": ("specforge_opd.cli:config_cmd", "print the resolved experiment config"),
-    "sft": ("specforge_opd.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
-    "rollout": ("specforge_opd.rollout:cli", "one speculative rollout pass to shards"),
-    "inspect": ("specforge_opd.shards:cli", "validate and summarize a shard directory"),
-    "distill": ("specforge_opd.trainer:cli", "the OPD trainer over shards"),
-    "opd": ("specforge_opd.opd:cli", "the whole iterated OPD stage"),
-    "eval": ("specforge_opd.evaluate:cli", "accepted length (tau) and speedup per dataset"),
+    "sft": ("specforge_opd.stages.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
+    "rollout": ("specforge_opd.rollout.engine:cli", "one speculative rollout pass to shards"),
+    "inspect": ("specforge_opd.rollout.shards:cli", "validate and summarize a shard directory"),
+    "distill": ("specforge_opd.train.trainer:cli", "the OPD trainer over shards"),
+    "opd": ("specforge_opd.stages.opd:cli", "the whole iterated OPD stage"),
+    "eval": ("specforge_opd.eval.evaluate:cli", "accepted length (tau) and speedup per dataset"),
 }
 
 
@@ -53,14 +53,14 @@ def parse_experiment(
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    from .target import apply_threads
+    from specforge_opd.models.target import apply_threads
 
     apply_threads(cfg.target.threads)
     return args, cfg
 
 
 def config_cmd(argv: list[str]) -> int:
-    from .config import dump_config
+    from specforge_opd.config import dump_config
 
     _, cfg = parse_experiment(experiment_parser("config", "print the resolved config"), argv)
     print(dump_config(cfg), end="")

@@ -30,7 +30,7 @@ class Section(BaseModel):
 
 
 class TargetConfig(Section):
-    """The target model (``specforge_opd.target``).
+    """The target model (``specforge_opd.models.target``).
 
     ``path`` None means the embedded default (SmolLM2-135M-Instruct converted
     from its PyPI GGUF package by ``specforge-opd prepare-assets``).
@@ -62,7 +62,7 @@ class TargetConfig(Section):
 
 
 class DraftConfig(Section):
-    """The DFlash drafter (``specforge_opd.drafter``). Unset fields are derived from the target."""
+    """The DFlash drafter (``specforge_opd.models.drafter``). Unset fields are derived from the target."""
 
     #: Initial drafter: an HF DFlash directory, a SpecForge step directory
     #: (``training_state.pt`` or ``-latest``) or a SpecForge HF export.
@@ -76,7 +76,7 @@ class DraftConfig(Section):
 
 
 class DataConfig(Section):
-    """Prompt sources (``specforge_opd.prompts``)."""
+    """Prompt sources (``specforge_opd.data.prompts``)."""
 
     #: Training prompt sources, e.g. ["sharegpt"] or ["gsm8k", "math", "aops", "codealpaca"].
     train_sources: List[str] = Field(default_factory=lambda: ["sharegpt"])
@@ -99,7 +99,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    """Speculative rollouts (``specforge_opd.rollout``)."""
+    """Speculative rollouts (``specforge_opd.rollout.engine``)."""
 
     backend: Literal["embedded", "sglang_verify", "sglang_native"] = "embedded"
     batch_size: int = Field(default=8, gt=0)
@@ -118,7 +118,7 @@ class RolloutConfig(Section):
 
 
 class TrainingConfig(Section):
-    """Drafter training, shared by SFT (SpecForge) and OPD (``specforge_opd.trainer``)."""
+    """Drafter training, shared by SFT (SpecForge) and OPD (``specforge_opd.train.trainer``)."""
 
     learning_rate: float = Field(default=3e-4, gt=0.0)
     lr_scheduler: Literal["cosine", "constant"] = "cosine"
@@ -173,7 +173,7 @@ class TrainingConfig(Section):
 
 
 class SFTConfig(Section):
-    """The SFT stage (``specforge_opd.sft``)."""
+    """The SFT stage (``specforge_opd.stages.sft``)."""
 
     #: Generate responses greedily (temperature 0) or sampled.
     temperature: float = Field(default=0.0, ge=0.0)
@@ -183,7 +183,7 @@ class SFTConfig(Section):
     chunk_prompts: int = Field(default=32, gt=0)
     #: SpecForge ``training.save_interval`` in optimizer steps (0: about five checkpoints per run).
     save_interval: int = Field(default=0, ge=0)
-    #: Validation curve (``specforge_opd.validation``): prompts of the training pool after
+    #: Validation curve (``specforge_opd.eval.validation``): prompts of the training pool after
     #: ``data.num_prompts``, never trained on, replayed offline after every segment (0: off).
     val_prompts: int = Field(default=0, ge=0)
     #: Optimizer steps per training segment between validation points (0: one epoch).
@@ -213,7 +213,7 @@ class SFTConfig(Section):
 
 
 class OPDConfig(Section):
-    """The iterated OPD stage (``specforge_opd.opd``)."""
+    """The iterated OPD stage (``specforge_opd.stages.opd``)."""
 
     prompts_per_step: int = Field(default=8, gt=0)
     #: Prompts rolled out per iteration (a multiple of prompts_per_step).
@@ -225,7 +225,7 @@ class OPDConfig(Section):
 
 
 class EvalConfig(Section):
-    """Evaluation (``specforge_opd.evaluate``)."""
+    """Evaluation (``specforge_opd.eval.evaluate``)."""
 
     datasets: List[str] = Field(default_factory=lambda: ["mtbench", "humaneval", "mmath_math500"])
     num_prompts: Optional[int] = 16
@@ -233,7 +233,7 @@ class EvalConfig(Section):
     temperature: float = Field(default=0.0, ge=0.0)
     seeds: List[int] = Field(default_factory=lambda: [0])
     batch_size: int = Field(default=1, gt=0)
-    #: Add the prompt-lookup drafter's row (``specforge_opd.ngram``; no training) to every
+    #: Add the prompt-lookup drafter's row (``specforge_opd.eval.ngram``; no training) to every
     #: offline table, at the block size of the first evaluated drafter.
     ngram: bool = True
     #: Longest suffix the prompt-lookup drafter matches (then shorter ones, down to 1).
@@ -310,14 +310,14 @@ class ExperimentConfig(Section):
 
     def resolve_path(self, p: Optional[str]) -> Optional[Path]:
         """Resolve a config path: absolute as is; relative against the current directory;
-        ``published:NAME`` to a drafter shipped in the package (``specforge_opd.published``).
+        ``published:NAME`` to a drafter shipped in the package (``specforge_opd.models.published``).
 
         Raises:
             ConfigError: ``published:NAME`` names no published drafter.
         """
         if p is None:
             return None
-        from .published import SCHEME, resolve
+        from specforge_opd.models.published import SCHEME, resolve
 
         if str(p).startswith(SCHEME):
             try:

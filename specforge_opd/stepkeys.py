@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .atomic import atomic_write_json
-from .config import ExperimentConfig
+from specforge_opd.atomic import atomic_write_json
+from specforge_opd.config import ExperimentConfig
 
 #: The marker a finished step writes last: ``{"key", "inputs", "stats", "finished_at"}``.
 MARKER = "DONE.json"

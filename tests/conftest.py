@@ -38,7 +38,7 @@ def make_tiny_target(seed: int = 0, vocab: int = TINY_VOCAB, layers: int = 4, hi
 
 
 def make_tiny_drafter(target, seed: int = 1, block_size: int = 4, layers: int = 2, mask_token_id: int = TINY_MASK):
-    from specforge_opd.drafter import build_drafter, derive_draft_config
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config
 
     dcfg = derive_draft_config(target.config, num_hidden_layers=layers, block_size=block_size, mask_token_id=mask_token_id)
     return build_drafter(dcfg, "sdpa", seed=seed).eval()
@@ -57,6 +57,6 @@ def tiny_drafter(tiny_target):
 @pytest.fixture(scope="session")
 def embedded_target_dir():
     """The embedded SmolLM2 target as an HF directory, converted once per session."""
-    from specforge_opd.assets import ensure_target
+    from specforge_opd.data.assets import ensure_target
 
     return ensure_target()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specforge_opd.adapter import extract_context_feature
-from specforge_opd.records import RolloutRecord
+from specforge_opd.models.adapter import extract_context_feature
+from specforge_opd.rollout.records import RolloutRecord
 
 
 @torch.no_grad()

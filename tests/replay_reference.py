@@ -12,8 +12,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from specforge_opd.adapter import extract_context_feature
-from specforge_opd.records import RolloutRecord
+from specforge_opd.models.adapter import extract_context_feature
+from specforge_opd.rollout.records import RolloutRecord
 
 
 def verify_mask(T: int, anchors: torch.Tensor, block_size: int, device=None) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 import torch
 
-from specforge_opd.adapter import DFlashDraftModel, extract_context_feature
-from specforge_opd.drafter import drafter_layer_ids, load_drafter, save_drafter
+from specforge_opd.models.adapter import DFlashDraftModel, extract_context_feature
+from specforge_opd.models.drafter import drafter_layer_ids, load_drafter, save_drafter
 
 
 def test_dflash_forward_on_tiny_target(tiny_target, tiny_drafter):

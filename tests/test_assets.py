@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from specforge_opd import assets
+from specforge_opd.data import assets
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_pinned_facts_reject_unpermuted_attention(embedded):
 
 @pytest.mark.embedded
 def test_mask_token_never_produced_by_chat_text(embedded):
-    from specforge_opd import prompts
+    from specforge_opd.data import prompts
 
     _, tok = embedded
     mask = assets.EMBEDDED_MASK_TOKEN_ID
@@ -186,7 +186,7 @@ def test_cached_entry_survives_uninstalled_package(tmp_path, monkeypatch):
 
 
 def test_prepare_assets_cli(tmp_path, monkeypatch, capsys):
-    from specforge_opd import prompts
+    from specforge_opd.data import prompts
     from specforge_opd.cli import main
 
     monkeypatch.setattr(assets, "ensure_target", lambda cache=None, progress=True: tmp_path / "target")

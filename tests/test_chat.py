@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specforge_opd.assets import qwen3_tokenizer_dir
-from specforge_opd.chat import ChatError, normalize_messages, render_conversation, render_prompt, supervised_tokens
+from specforge_opd.data.assets import qwen3_tokenizer_dir
+from specforge_opd.data.chat import ChatError, normalize_messages, render_conversation, render_prompt, supervised_tokens
 
 CONV = [
     {"role": "user", "content": "What is 2+2?"},

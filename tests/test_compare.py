@@ -10,10 +10,11 @@ import yaml
 from conftest import make_tiny_drafter
 from sft_helpers import make_target_dir
 
-from specforge_opd import compare, sft
-from specforge_opd.drafter import save_drafter
-from specforge_opd.flops import FlopsLedger, sft_flops
-from specforge_opd.responses import ResponseRecord
+from specforge_opd.stages import compare
+from specforge_opd.stages import sft
+from specforge_opd.models.drafter import save_drafter
+from specforge_opd.eval.flops import FlopsLedger, sft_flops
+from specforge_opd.rollout.responses import ResponseRecord
 
 
 def _write_configs(tmp_path, start: str, target: str):
@@ -68,7 +69,7 @@ def test_matched_baseline_starts_where_opd_started_and_spends_its_flops(tmp_path
         assert cfg.sft.max_new_tokens == 24 and cfg.sft.reuse_from is None
     else:
         assert cfg.data.slices == [0] and cfg.sft.reuse_from == str(tmp_path / "sft_run")
-    from specforge_opd.drafter import load_draft_config
+    from specforge_opd.models.drafter import load_draft_config
 
     per_step = sft_flops(cfg, load_draft_config(start), bundle.model.config, responses, steps=1,
                          captured_here=False).drafter_train
@@ -86,9 +87,9 @@ def test_matched_baseline_refuses_unknown_baseline_and_missing_start(tmp_path):
 
 
 def test_published_paths_resolve_and_unknown_names_say_what_exists(tmp_path, monkeypatch):
-    from specforge_opd import published
+    from specforge_opd.models import published
     from specforge_opd.config import ConfigError, load_config
-    from specforge_opd.drafter import DrafterError, drafter_path
+    from specforge_opd.models.drafter import DrafterError, drafter_path
 
     bundle = make_target_dir(tmp_path / "target")
     monkeypatch.setattr(published, "PUBLISHED_DIR", tmp_path / "pub")
@@ -104,7 +105,7 @@ def test_published_paths_resolve_and_unknown_names_say_what_exists(tmp_path, mon
 
 
 def test_trained_positions_counts_anchors_per_sample():
-    from specforge_opd.published import trained_positions
+    from specforge_opd.models.published import trained_positions
 
     # supervised 5 -> 4 anchors, 200 -> capped at 128; block 8; two whole epochs, then half of one
     assert trained_positions(4, [5, 200], 128, 8) == 2 * (4 + 128) * 8
@@ -114,7 +115,7 @@ def test_trained_positions_counts_anchors_per_sample():
 def test_bootstrap_intervals_are_paired_and_pooled():
     import numpy as np
 
-    from specforge_opd.stats import bootstrap_mean_tau, interval
+    from specforge_opd.eval.stats import bootstrap_mean_tau, interval
 
     a = {"x": ([10, 30, 20], [10, 10, 10]), "y": ([8, 8], [4, 4])}  # pooled: x 2.0, y 2.0 -> mean 2.0
     b = {"x": ([11, 33, 22], [10, 10, 10]), "y": ([8.8, 8.8], [4, 4])}  # 1.1x a on every prompt
@@ -135,8 +136,8 @@ def test_publish_stores_bf16_exact_weights_in_bf16_and_they_load_unchanged(tmp_p
     from safetensors.torch import load_file
 
     from conftest import make_tiny_target
-    from specforge_opd.drafter import load_drafter
-    from specforge_opd.published import _store_bf16_if_exact
+    from specforge_opd.models.drafter import load_drafter
+    from specforge_opd.models.published import _store_bf16_if_exact
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target)

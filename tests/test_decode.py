@@ -1,4 +1,4 @@
-"""The target's decode path on a preallocated KV cache (``specforge_opd.decode``), on tiny random targets.
+"""The target's decode path on a preallocated KV cache (``specforge_opd.rollout.decode``), on tiny random targets.
 
 Pinned: the runner's forward equals the HF forward (hidden states and the
 features of every layer id, the last one included) for Llama, Qwen2 (QKV bias)
@@ -18,9 +18,9 @@ try:
 except ImportError:
     from .conftest import make_tiny_target
 
-from specforge_opd.adapter import extract_context_feature
-from specforge_opd.decode import HFCache, KVCache, TargetRunner
-from specforge_opd.rollout import _step_mask, autoregressive_generate, prefill
+from specforge_opd.models.adapter import extract_context_feature
+from specforge_opd.rollout.decode import HFCache, KVCache, TargetRunner
+from specforge_opd.rollout.engine import _step_mask, autoregressive_generate, prefill
 
 
 def _qwen3(seed=0, **kw):
@@ -245,7 +245,7 @@ def test_bf16_runner_matches_hf_bf16():
 
 
 def test_threads_follow_the_config_and_the_process_share(monkeypatch):
-    from specforge_opd import target as tgt
+    from specforge_opd.models import target as tgt
 
     monkeypatch.setattr(tgt, "usable_cores", lambda: 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -268,7 +268,7 @@ def test_threads_follow_the_config_and_the_process_share(monkeypatch):
 
 def test_every_verb_sets_threads(monkeypatch, tmp_path):
     """parse_experiment (every verb's entry) applies target.threads before the verb runs."""
-    from specforge_opd import target as tgt
+    from specforge_opd.models import target as tgt
     from specforge_opd.cli import experiment_parser, parse_experiment
 
     seen = []
@@ -278,7 +278,7 @@ def test_every_verb_sets_threads(monkeypatch, tmp_path):
 
 
 def test_drafter_of_another_target_dtype_is_refused():
-    from specforge_opd.drafter import DrafterError, check_target_dtype
+    from specforge_opd.models.drafter import DrafterError, check_target_dtype
 
     check_target_dtype({}, "bfloat16", "pub")  # published checkpoints record nothing: accepted
     check_target_dtype({"target_dtype": "float32"}, "float32", "d")

@@ -1,4 +1,4 @@
-"""Drafter export dtype and the published DFlash config layouts (``specforge_opd.drafter``)."""
+"""Drafter export dtype and the published DFlash config layouts (``specforge_opd.models.drafter``)."""
 
 import json
 import shutil
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specforge_opd.drafter import DrafterError, load_draft_config, load_drafter, save_drafter
+from specforge_opd.models.drafter import DrafterError, load_draft_config, load_drafter, save_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash_configs"
 
@@ -97,7 +97,7 @@ def test_export_without_dtype_field_still_loads(tmp_path, tiny_target, tiny_draf
 
 
 def test_trainer_export_writes_the_given_dtype(tmp_path, tiny_drafter):
-    from specforge_opd.checkpoint import export_drafter
+    from specforge_opd.train.checkpoint import export_drafter
 
     out = export_drafter(tiny_drafter, tmp_path / "final", metadata={"step": 1}, dtype="bfloat16")
     assert _config(out)["dtype"] == "bfloat16"

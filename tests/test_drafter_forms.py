@@ -11,8 +11,8 @@ import torch
 from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 from test_sft_reuse import _specforge_run
 
-from specforge_opd import published
-from specforge_opd.drafter import DrafterError, load_any_drafter, load_drafter, save_drafter
+from specforge_opd.models import published
+from specforge_opd.models.drafter import DrafterError, load_any_drafter, load_drafter, save_drafter
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,8 @@ def test_eval_accepts_a_specforge_step_directory(tmp_path, forms, tiny):
     """``eval`` took HF directories only, while OPD accepted SpecForge step directories: the same drafter now
     gets the same tau in every form."""
     from specforge_opd.config import load_config
-    from specforge_opd.evaluate import evaluate
-    from specforge_opd.ngram import NGRAM_NAME
+    from specforge_opd.eval.evaluate import evaluate
+    from specforge_opd.eval.ngram import NGRAM_NAME
 
     target, _ = tiny
     cfg = load_config(None, ["eval.max_new_tokens=12", "eval.speedup=false", f"eval.cache_dir={tmp_path / 'cache'}"])
@@ -81,10 +81,10 @@ def test_distill_and_compare_accept_a_specforge_step_directory(tmp_path, forms, 
     """The OPD trainer's initial drafter and the matched-FLOPs baseline's cost model read the same forms."""
     from sft_helpers import make_target_dir
 
-    from specforge_opd.compare import matched_steps
+    from specforge_opd.stages.compare import matched_steps
     from specforge_opd.config import load_config
-    from specforge_opd.responses import ResponseRecord
-    from specforge_opd.trainer import _initial_drafter
+    from specforge_opd.rollout.responses import ResponseRecord
+    from specforge_opd.train.trainer import _initial_drafter
 
     target, drafter = tiny
     cfg = load_config(None, [f"draft.mask_token_id={TINY_MASK}", "target.dtype=float32"])

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
-from specforge_opd.drafter import DrafterError, derive_draft_config, build_drafter, save_drafter
-from specforge_opd.evaluate import EvalError, TrajectoryCache, evaluate, load_eval_prompts, offline_replay, offline_tau
-from specforge_opd.records import tau_of
+from specforge_opd.models.drafter import DrafterError, derive_draft_config, build_drafter, save_drafter
+from specforge_opd.eval.evaluate import EvalError, TrajectoryCache, evaluate, load_eval_prompts, offline_replay, offline_tau
+from specforge_opd.rollout.records import tau_of
 from specforge_opd.config import load_config
 
 TIE_GAP = 1e-4
@@ -147,7 +147,7 @@ def test_offline_matches_rollout_engine_batched(tiny_setup):
     """Against the project's live engine (batched, left-padded): identical anchors, accepted counts
     and per-prompt tau, with a stop token that ends some sequences early."""
     from specforge_opd.config import RolloutConfig
-    from specforge_opd.rollout import SpeculativeEngine
+    from specforge_opd.rollout.engine import SpeculativeEngine
 
     target, prompts, trajs, drafter = tiny_setup
     stop = int(trajs[0].input_ids[trajs[0].prompt_len + 9])  # a token the greedy runs produce
@@ -274,7 +274,7 @@ def test_evaluate_bad_input(tmp_path, tiny_setup):
     with pytest.raises(EvalError, match="no drafter"):
         evaluate(cfg, {}, tmp_path / "o", target=_target_ns(target), prompt_sets={"s": (prompts, ["x"] * len(prompts))})
     # unknown dataset: the error lists the known ones; an empty selection is refused
-    from specforge_opd.prompts import KNOWN_EVAL_SETS
+    from specforge_opd.data.prompts import KNOWN_EVAL_SETS
 
     with pytest.raises(EvalError, match="known: " + ", ".join(KNOWN_EVAL_SETS[:2])):
         evaluate(load_config(None, ["eval.datasets=[mtbnch]"]), {"ok": ok}, tmp_path / "o", target=_target_ns(target))
@@ -294,12 +294,12 @@ def test_offline_matches_live_on_embedded_target(embedded_target_dir):
     gives the live engine's tokens, anchors, accepted counts and per-prompt tau. A divergence is
     allowed only where the target's top-2 logit gap is < 1e-4 (DESIGN.md), and that prompt's
     comparison stops there."""
-    from specforge_opd.assets import EMBEDDED_MASK_TOKEN_ID
-    from specforge_opd.chat import render_prompt
+    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
+    from specforge_opd.data.chat import render_prompt
     from specforge_opd.config import RolloutConfig, TargetConfig
-    from specforge_opd.prompts import eval_prompts
-    from specforge_opd.rollout import SpeculativeEngine
-    from specforge_opd.target import load_target
+    from specforge_opd.data.prompts import eval_prompts
+    from specforge_opd.rollout.engine import SpeculativeEngine
+    from specforge_opd.models.target import load_target
 
     bundle = load_target(TargetConfig(path=str(embedded_target_dir), device="cpu"))
     dcfg = derive_draft_config(bundle.model.config, num_hidden_layers=1, block_size=16, mask_token_id=EMBEDDED_MASK_TOKEN_ID)
@@ -332,7 +332,7 @@ def test_offline_matches_live_on_embedded_target(embedded_target_dir):
 def test_cli_bad_input_exits_cleanly(tmp_path, capsys):
     """Unknown dataset and a missing drafter: exit code 2 and one clear line, before loading the target."""
     from specforge_opd.cli import main
-    from specforge_opd.evaluate import _parse_drafters
+    from specforge_opd.eval.evaluate import _parse_drafters
 
     assert main(["eval", "--drafter", str(tmp_path), "eval.datasets=[nope]", "--out", str(tmp_path / "o")]) == 2
     assert "unknown dataset(s) ['nope']; known: mtbench" in capsys.readouterr().err
@@ -364,7 +364,7 @@ def test_evaluate_live_sampling_over_seeds_and_speedup(tmp_path, tiny_setup):
 
 def test_evaluate_has_a_prompt_lookup_row(tmp_path, tiny_setup):
     """Every offline table gets the ngram row, scored by the same pooled tau on the same trajectories."""
-    from specforge_opd.ngram import NGRAM_NAME, ngram_offline_tau
+    from specforge_opd.eval.ngram import NGRAM_NAME, ngram_offline_tau
 
     target, prompts, trajs, trained = tiny_setup
     d = save_drafter(trained, tmp_path / "trained")

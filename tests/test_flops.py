@@ -6,8 +6,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import make_tiny_drafter, make_tiny_target
-from specforge_opd import flops as F
-from specforge_opd.adapter import extract_context_feature
+from specforge_opd.eval import flops as F
+from specforge_opd.models.adapter import extract_context_feature
 
 
 def _counted(fc: FlopCounterMode) -> int:

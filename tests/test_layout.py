@@ -7,10 +7,10 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "specforge_opd"
-#: The SFT stage: the modules allowed to import ``specforge_opd.sft``.
-SFT_STAGE = {"sft", "sft_features", "sft_train"}
+#: The SFT stage: the modules allowed to import ``specforge_opd.stages.sft``.
+SFT_STAGE = {"stages.sft", "stages.sft_features", "stages.sft_train"}
 #: The stage's entry point, which the main job's comparison runs for its matched-FLOPs baseline.
-SFT_ENTRY = {"compare": {"run_sft"}}
+SFT_ENTRY = {"stages.compare": {"run_sft"}}
 
 
 def _module(path: Path) -> str:
@@ -44,7 +44,7 @@ def test_nothing_outside_the_sft_stage_imports_sft():
         if me in SFT_STAGE:
             continue
         for mod, names in _imports(f, top_level_only=False):
-            if mod == "specforge_opd.sft" and not (names and names <= SFT_ENTRY.get(me, set())):
+            if mod == "specforge_opd.stages.sft" and not (names and names <= SFT_ENTRY.get(me, set())):
                 offenders.append(f"{me}: {mod} {sorted(names)}")
     assert not offenders, offenders
 
@@ -54,8 +54,8 @@ def test_no_module_level_import_cycles():
     for f in PKG.rglob("*.py"):
         graph[f"specforge_opd.{_module(f)}".rstrip(".")] = {m for m, _ in _imports(f, top_level_only=True)
                                                             if m.startswith("specforge_opd")}
-    assert "specforge_opd.prompts" not in graph["specforge_opd.assets"]
-    assert "specforge_opd.assets" not in graph["specforge_opd.prompts"]
+    assert "specforge_opd.data.prompts" not in graph["specforge_opd.data.assets"]
+    assert "specforge_opd.data.assets" not in graph["specforge_opd.data.prompts"]
     state: dict[str, int] = {}  # 1: on the current path, 2: finished
 
     def visit(m, path):

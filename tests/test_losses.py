@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specforge_opd.losses import (
+from specforge_opd.train.losses import (
     kl_full,
     kl_full_and_grad,
     kl_token,

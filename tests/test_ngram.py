@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (``specforge_opd.ngram``): proposals, exact offline replay, its row in evaluation."""
+"""Prompt-lookup drafting (``specforge_opd.eval.ngram``): proposals, exact offline replay, its row in evaluation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specforge_opd.ngram import ngram_offline_tau, propose
-from specforge_opd.records import tau_of
+from specforge_opd.eval.ngram import ngram_offline_tau, propose
+from specforge_opd.rollout.records import tau_of
 
 
 def test_propose_takes_the_longest_latest_match():
@@ -54,7 +54,7 @@ def test_readme_main_job_table_is_generated_from_the_committed_summary():
     import json
     from pathlib import Path
 
-    from specforge_opd.compare import render_summary
+    from specforge_opd.stages.compare import render_summary
 
     root = Path(__file__).resolve().parents[1]
     summary = json.loads((root / "benchmarks/results/tiny_main_job.json").read_text())
@@ -73,8 +73,8 @@ def test_ngram_drafter_rollout_equals_greedy_and_its_offline_tau():
     (``ngram_offline_tau``) of the same trajectories, block for block."""
     from conftest import make_tiny_target
 
-    from specforge_opd.ngram import NgramDrafter
-    from specforge_opd.speculative import InProcessTarget, StepConfig, run_inline, speculate
+    from specforge_opd.eval.ngram import NgramDrafter
+    from specforge_opd.rollout.step import InProcessTarget, StepConfig, run_inline, speculate
 
     target = make_tiny_target(seed=0)
     prompts = [("a", [5, 6, 7, 5, 6, 7, 5, 6]), ("b", [9, 10, 11, 12]), ("c", [20, 21, 20, 21, 20, 22, 23])]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specforge_opd.config import load_config
-from specforge_opd.drafter import load_drafter, save_drafter
-from specforge_opd.target import TargetBundle
-from specforge_opd.trainer import InjectedFault
+from specforge_opd.models.drafter import load_drafter, save_drafter
+from specforge_opd.models.target import TargetBundle
+from specforge_opd.train.trainer import InjectedFault
 
 from conftest import make_tiny_drafter, make_tiny_target
 
@@ -34,7 +34,7 @@ def _params(d):
 
 
 def test_opd_loop_and_resume(tmp_path):
-    from specforge_opd.opd import run_opd
+    from specforge_opd.stages.opd import run_opd
 
     cfg, bundle, prompts = _setup(tmp_path, "clean")
     final = run_opd(cfg, target=bundle, prompts=prompts)
@@ -74,7 +74,7 @@ def test_opd_loop_and_resume(tmp_path):
     for k, v in _params(again).items():
         assert torch.equal(v, resumed[k])
     # the same output.dir with another initial drafter is refused, not taken as finished
-    from specforge_opd.plan import PlanError
+    from specforge_opd.stages.plan import PlanError
 
     other = save_drafter(make_tiny_drafter(bundle2.model, seed=5), tmp_path / "init_other")
     cfg3 = cfg2.model_copy(update={"draft": cfg2.draft.model_copy(update={"path": str(other)})})
@@ -85,9 +85,9 @@ def test_opd_loop_and_resume(tmp_path):
 def test_opd_loop_over_sglang_verify_standin(tmp_path):
     """rollout.backend=sglang_verify: the OPD loop rolls out through an SGLang(-shaped) server and measures
     the same on-policy tau per iteration as the embedded backend; native mode refuses fixed URLs."""
-    from specforge_opd.drafter import drafter_layer_ids
-    from specforge_opd.opd import run_opd
-    from specforge_opd.plan import PlanError
+    from specforge_opd.models.drafter import drafter_layer_ids
+    from specforge_opd.stages.opd import run_opd
+    from specforge_opd.stages.plan import PlanError
     from specforge_opd.sglang.contract import server_layer_ids
     from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
 

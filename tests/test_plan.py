@@ -3,7 +3,7 @@
 import pytest
 
 from specforge_opd.config import load_config
-from specforge_opd.plan import PlanError, estimate_sequence_bytes, iteration_prompt_indices, make_plan
+from specforge_opd.stages.plan import PlanError, estimate_sequence_bytes, iteration_prompt_indices, make_plan
 
 
 def test_schedule_follows_pool_size():
@@ -44,7 +44,7 @@ def test_qwen3_opd_configs_plan_offline(size, capsys):
     """The paper-scale configs resolve and plan here from the packaged Qwen3 config fixtures."""
     from pathlib import Path
 
-    from specforge_opd.opd import dry_run
+    from specforge_opd.stages.opd import dry_run
 
     root = Path(__file__).resolve().parents[1]
     plan = dry_run(load_config(root / "configs" / f"qwen3-{size}" / "opd.yaml"))
@@ -68,7 +68,7 @@ def test_verified_stream_needs_a_distribution_teacher():
 
 
 def test_per_rank_schedule_and_world_size(monkeypatch):
-    from specforge_opd.plan import per_rank_schedule, planned_world_size
+    from specforge_opd.stages.plan import per_rank_schedule, planned_world_size
 
     cfg = load_config(None, ["opd.prompts_per_step=16", "opd.prompts_per_iteration=48"])
     plan = make_plan(cfg, pool_size=100, hidden_size=64, num_layers_captured=2)
@@ -108,7 +108,7 @@ def _small_case(form, vocab, hidden, prompt_len, response_len, max_blocks, chunk
     from conftest import make_tiny_drafter, make_tiny_target
     from opd_helpers import make_record
 
-    from specforge_opd.drafter import drafter_layer_ids
+    from specforge_opd.models.drafter import drafter_layer_ids
 
     target = make_tiny_target(vocab=vocab, hidden=hidden, layers=3).requires_grad_(False)
     drafter = make_tiny_drafter(target, block_size=4, layers=2, mask_token_id=vocab - 1).train()
@@ -132,9 +132,9 @@ CASES = [("full", 2048, 64, 40, 200, 512, 64), ("full", 2048, 64, 40, 200, 16, 6
 def test_trainer_memory_estimate_matches_a_measured_step(case):
     """The plan's replay terms against the bytes one training step of one sequence really allocates
     on the CPU (forward and backward of every group, fp32): within 25% below / 50% above."""
-    from specforge_opd.losses import plan_slots, slot_coefficients
-    from specforge_opd.plan import estimate_rank_memory
-    from specforge_opd.trainer import sequence_group_losses
+    from specforge_opd.train.losses import plan_slots, slot_coefficients
+    from specforge_opd.stages.plan import estimate_rank_memory
+    from specforge_opd.train.trainer import sequence_group_losses
 
     target, drafter, rec, cfg = _small_case(*case)
     plan = plan_slots(rec.accepted, rec.block_size)
@@ -160,9 +160,9 @@ def test_recompute_memory_estimate_matches_a_measured_recompute(case):
     """The plan's recompute terms against the bytes ``recompute_from_target`` allocates for one sequence."""
     import torch
 
-    from specforge_opd.drafter import drafter_layer_ids
-    from specforge_opd.plan import estimate_rank_memory
-    from specforge_opd.replay import recompute_from_target
+    from specforge_opd.models.drafter import drafter_layer_ids
+    from specforge_opd.stages.plan import estimate_rank_memory
+    from specforge_opd.train.replay import recompute_from_target
 
     target, drafter, rec, cfg = _small_case(*case)
     layers = drafter_layer_ids(drafter)
@@ -184,8 +184,8 @@ def test_recompute_memory_estimate_matches_a_measured_recompute(case):
 
 
 def test_rank_memory_shrinks_the_sharded_drafter_state_only():
-    from specforge_opd.opd import _target_config
-    from specforge_opd.plan import estimate_rank_memory
+    from specforge_opd.stages.opd import _target_config
+    from specforge_opd.stages.plan import estimate_rank_memory
 
     from pathlib import Path
 
@@ -202,7 +202,7 @@ def test_rank_memory_shrinks_the_sharded_drafter_state_only():
 def test_dry_run_prints_per_rank_plan(monkeypatch, capsys):
     from pathlib import Path
 
-    from specforge_opd.opd import dry_run
+    from specforge_opd.stages.opd import dry_run
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("NNODES", "2")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from specforge_opd import prompts
+from specforge_opd.data import prompts
 from specforge_opd.config import DataConfig
-from specforge_opd.prompts import PromptRecord, PromptsError
+from specforge_opd.data.prompts import PromptRecord, PromptsError
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specforge_opd import published
+from specforge_opd.models import published
 
 
 def test_published_drafter_ships_with_its_training_record():
@@ -28,8 +28,8 @@ def test_published_drafter_ships_with_its_training_record():
 def test_published_drafter_replays_to_its_recorded_tau(tmp_path):
     """Exact offline replay on the recorded check prompts gives the recorded tau (beside prompt lookup's)."""
     from specforge_opd.config import load_config
-    from specforge_opd.drafter import load_drafter
-    from specforge_opd.target import load_target
+    from specforge_opd.models.drafter import load_drafter
+    from specforge_opd.models.target import load_target
 
     d = published.published_drafter(published.EMBEDDED_DRAFTER)
     rec = published.read_record(published.EMBEDDED_DRAFTER)

@@ -3,9 +3,9 @@
 import torch
 
 from opd_helpers import make_record
-from specforge_opd.drafter import drafter_layer_ids
-from specforge_opd.replay import recompute_from_target, replay_hidden, replay_inputs, slot_teacher
-from specforge_opd.losses import plan_slots
+from specforge_opd.models.drafter import drafter_layer_ids
+from specforge_opd.train.replay import recompute_from_target, replay_hidden, replay_inputs, slot_teacher
+from specforge_opd.train.losses import plan_slots
 
 MASK = 96
 
@@ -35,7 +35,7 @@ def test_replay_equals_drafting_each_block_alone(tiny_target, tiny_drafter):
 
 
 def test_replay_inputs_layout():
-    from specforge_opd.records import RolloutRecord
+    from specforge_opd.rollout.records import RolloutRecord
 
     rec = RolloutRecord(
         sample_id="x",

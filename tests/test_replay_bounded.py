@@ -11,10 +11,10 @@ from torch.utils._pytree import tree_flatten
 from conftest import make_tiny_drafter, make_tiny_target
 from opd_helpers import make_record
 from replay_reference import recompute_from_target_dense
-from specforge_opd.adapter import create_dflash_sdpa_mask
-from specforge_opd.drafter import drafter_layer_ids
-from specforge_opd.losses import plan_slots, slot_coefficients
-from specforge_opd.replay import (
+from specforge_opd.models.adapter import create_dflash_sdpa_mask
+from specforge_opd.models.drafter import drafter_layer_ids
+from specforge_opd.train.losses import plan_slots, slot_coefficients
+from specforge_opd.train.replay import (
     ReplayError,
     block_groups,
     dflash_flex_block_mask,
@@ -22,7 +22,7 @@ from specforge_opd.replay import (
     recompute_largest_tensor_bytes,
     replay_hidden,
 )
-from specforge_opd.trainer import sequence_group_losses, sequence_loss
+from specforge_opd.train.trainer import sequence_group_losses, sequence_loss
 
 VOCAB, MASK = 2048, 2047
 
@@ -220,7 +220,7 @@ def test_distill_in_groups_equals_one_forward(tmp_path, source):
     the recompute's verify too) takes the steps of the default one-forward replay."""
     from opd_helpers import make_records
     from specforge_opd.config import load_config
-    from specforge_opd.trainer import distill
+    from specforge_opd.train.trainer import distill
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target, block_size=4, layers=2)
@@ -254,7 +254,7 @@ def test_step_group_counts_are_the_same_on_every_rank():
     a rank padding a short last batch counts the record it replays with zero weight."""
     from types import SimpleNamespace
 
-    from specforge_opd.trainer import BatchOrder, step_group_counts
+    from specforge_opd.train.trainer import BatchOrder, step_group_counts
 
     records = [SimpleNamespace(num_blocks=n) for n in (1, 5, 9, 2, 4)]
     order = BatchOrder(num_records=5, batch_size=1, accumulation_steps=2, world_size=2, num_epochs=1, seed=0, shuffle=False)

@@ -20,8 +20,8 @@ except ImportError:
     from .conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 
 from specforge_opd.config import RolloutConfig
-from specforge_opd.records import tau_of
-from specforge_opd.rollout import (
+from specforge_opd.rollout.records import tau_of
+from specforge_opd.rollout.engine import (
     RolloutError,
     SpeculativeEngine,
     autoregressive_generate,
@@ -29,7 +29,7 @@ from specforge_opd.rollout import (
     sampling_probs,
     verify_blocks,
 )
-from specforge_opd.shards import ShardWriter, read_shards
+from specforge_opd.rollout.shards import ShardWriter, read_shards
 
 STOP = 1
 
@@ -383,7 +383,7 @@ def test_too_long_prompt_policies(target, drafter):
 
 
 def test_incompatible_drafter_fails_before_decoding(target):
-    from specforge_opd.drafter import DrafterError
+    from specforge_opd.models.drafter import DrafterError
 
     other = make_tiny_target(seed=0, hidden=32)
     bad_hidden = make_tiny_drafter(other)
@@ -400,10 +400,10 @@ def test_incompatible_drafter_fails_before_decoding(target):
 
 @pytest.mark.parametrize("form", ["full", "topk"])
 def test_trainer_replay_agrees_with_rollout(target, drafter, form):
-    """The trainer's replay (specforge_opd.replay, engineer C) reads the records this engine
+    """The trainer's replay (specforge_opd.train.replay, engineer C) reads the records this engine
     writes the same way: student logits equal the drafting logits, and recomputed teacher
     and features equal the recorded ones."""
-    replay = pytest.importorskip("specforge_opd.replay")
+    replay = pytest.importorskip("specforge_opd.train.replay")
     eng = _engine(target, drafter, OracleEngine, record_draft_logits=True, teacher=form, teacher_topk=5)
     layer_ids = drafter.config.dflash_config["target_layer_ids"]
     for rec in eng.generate(_prompts([6, 3, 9])):

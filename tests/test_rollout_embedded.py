@@ -26,7 +26,7 @@ def smol(embedded_target_dir):
 
 
 def _ids(tok, messages):
-    from specforge_opd.chat import render_prompt
+    from specforge_opd.data.chat import render_prompt
 
     return tok(render_prompt(tok, messages, thinking=False), add_special_tokens=False)["input_ids"]
 
@@ -34,10 +34,10 @@ def _ids(tok, messages):
 def test_lossless_greedy_on_real_prompts(smol):
     """Speculative output == the target's own greedy decoding (HF generate, no padding, one
     prompt at a time); a divergence is allowed only where the top-2 logit gap < 1e-4 (DESIGN.md)."""
-    from specforge_opd.assets import EMBEDDED_MASK_TOKEN_ID
+    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
     from specforge_opd.config import RolloutConfig
-    from specforge_opd.drafter import build_drafter, derive_draft_config
-    from specforge_opd.rollout import SpeculativeEngine
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config
+    from specforge_opd.rollout.engine import SpeculativeEngine
 
     model, tok = smol
     dcfg = derive_draft_config(model.config, num_hidden_layers=1, block_size=8, mask_token_id=EMBEDDED_MASK_TOKEN_ID)
@@ -63,9 +63,9 @@ def test_lossless_greedy_on_real_prompts(smol):
 
 
 def test_rollout_and_inspect_cli(tmp_path, embedded_target_dir, capsys):
-    from specforge_opd.assets import EMBEDDED_MASK_TOKEN_ID
+    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
     from specforge_opd.cli import main
-    from specforge_opd.drafter import build_drafter, derive_draft_config, save_drafter
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config, save_drafter
     from transformers import AutoConfig
 
     tcfg = AutoConfig.from_pretrained(embedded_target_dir)

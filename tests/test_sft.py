@@ -12,15 +12,20 @@ import torch
 from conftest import TINY_MASK
 from sft_helpers import STOP, make_prompts, make_target_dir, tiny_cfg
 
-from specforge_opd import prompts, responses, sft, sft_features, sft_train, stepkeys
-from specforge_opd.drafter import load_specforge_checkpoint
+from specforge_opd.data import prompts
+from specforge_opd.rollout import responses
+from specforge_opd.stages import sft
+from specforge_opd.stages import sft_features
+from specforge_opd.stages import sft_train
+from specforge_opd import stepkeys
+from specforge_opd.models.drafter import load_specforge_checkpoint
 
 
 @pytest.fixture
 def chat_render(monkeypatch):
     """Use engineer A's chat.render_prompt when it exists; else render with the tokenizer's template."""
     try:
-        from specforge_opd.chat import render_prompt  # noqa: F401
+        from specforge_opd.data.chat import render_prompt  # noqa: F401
     except ImportError:
         def render(tokenizer, record, cfg):
             msgs = record.messages or [{"role": "user", "content": record.prompt}]
@@ -65,7 +70,7 @@ def test_sft_end_to_end_tiny(tmp_path, chat_render, capfd):
     assert c["architectures"] == ["DFlashDraftModel"] and "auto_map" not in c
     assert c["block_size"] == 4 and c["tie_word_embeddings"] is False
     assert c["dflash_config"] == {"mask_token_id": TINY_MASK, "target_layer_ids": [2]}
-    from specforge_opd.drafter import load_drafter, read_drafter_metadata
+    from specforge_opd.models.drafter import load_drafter, read_drafter_metadata
 
     d = load_drafter(final, target_config=bundle.model.config)
     ck = load_specforge_checkpoint(t_marker["stats"]["checkpoint"], bundle.model.config)
@@ -93,7 +98,7 @@ QWEN3_8B = {  # Qwen/Qwen3-8B config.json (the numbers the dry run needs)
 
 
 def test_dry_run_qwen3_8b_plans_without_weights(tmp_path, monkeypatch, capsys):
-    from specforge_opd import assets
+    from specforge_opd.data import assets
     from specforge_opd.config import load_config
 
     real = assets.qwen3_fixture_dir("8b")
@@ -118,7 +123,7 @@ def test_dry_run_qwen3_8b_plans_without_weights(tmp_path, monkeypatch, capsys):
 
 
 def test_dry_run_cli_all_gpu_configs(tmp_path, monkeypatch, capsys):
-    from specforge_opd import assets
+    from specforge_opd.data import assets
     from specforge_opd.cli import main
 
     fixtures = {"8b": QWEN3_8B,
@@ -278,8 +283,8 @@ def test_validation_curve_segments_select_and_resume(tmp_path, chat_render, monk
     """sft.val_prompts: segments of val_interval steps, a validation tau per segment from exact offline
     replay on held-out prompts, the export is the selected point; the segmented run trains exactly what
     one uninterrupted SpecForge run trains (same LR horizon, no step twice), and resumes after a kill."""
-    from specforge_opd.drafter import load_drafter, read_drafter_metadata
-    from specforge_opd.validation import read_curve
+    from specforge_opd.models.drafter import load_drafter, read_drafter_metadata
+    from specforge_opd.eval.validation import read_curve
 
     bundle = make_target_dir(tmp_path / "target")
     prompts, held = make_prompts(8), make_prompts(2, start=20)
@@ -336,7 +341,7 @@ def test_validation_needs_room_in_the_pool(tmp_path):
 
 
 def test_segments_and_selection_rules():
-    from specforge_opd.validation import segment_ends, select
+    from specforge_opd.eval.validation import segment_ends, select
 
     assert segment_ends(8, 3) == [3, 6, 8] and segment_ends(6, 3) == [3, 6] and segment_ends(2, 5) == [2]
     with pytest.raises(ValueError, match="val_interval"):
@@ -355,7 +360,7 @@ def test_validation_prompts_follow_the_trained_ones_in_the_pool(tmp_path):
     val = sft._load_val_prompts(cfg)
     assert len(trained) == 5 and len(val) == 3
     assert not {p.id for p in trained} & {p.id for p in val}
-    from specforge_opd.prompts import training_pool
+    from specforge_opd.data.prompts import training_pool
 
     eight = training_pool(cfg.data.model_copy(update={"num_prompts": 8}))
     assert [p.id for p in eight] == [p.id for p in trained + val]
@@ -363,7 +368,7 @@ def test_validation_prompts_follow_the_trained_ones_in_the_pool(tmp_path):
 
 def test_plateau_rule():
     """A plateau is `patience` points in a row within the noise band of the best point before them."""
-    from specforge_opd.validation import plateaued
+    from specforge_opd.eval.validation import plateaued
 
     def pts(*taus):
         return [{"step": 100 * (i + 1), "tau": t} for i, t in enumerate(taus)]
@@ -380,7 +385,7 @@ def test_plateau_rule():
 def test_plateau_stops_training_before_the_step_cap(tmp_path, chat_render, monkeypatch, capfd):
     """sft.plateau_patience: once the curve is flat, no further segment trains, and the stats say where it stopped;
     a rerun trains nothing more."""
-    from specforge_opd import validation
+    from specforge_opd.eval import validation
 
     bundle = make_target_dir(tmp_path / "target")
     monkeypatch.setattr(validation.ValidationSet, "tau", lambda self, drafter: 1.25)
@@ -400,7 +405,7 @@ def test_plateau_stops_training_before_the_step_cap(tmp_path, chat_render, monke
 def test_bf16_drafter_training_on_cpu(tmp_path, chat_render):
     """training.mixed_precision=bf16: features are stored in bf16 and SpecForge trains a bf16 drafter on a CPU
     (fp32 features into a bf16 fc was SpecForge's dtype error); the export loads and the features key differs."""
-    from specforge_opd.drafter import load_drafter
+    from specforge_opd.models.drafter import load_drafter
 
     bundle = make_target_dir(tmp_path / "target")
     cfg = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 1, "training.mixed_precision": "bf16"})
@@ -423,8 +428,8 @@ def test_bf16_drafter_training_on_cpu(tmp_path, chat_render):
 def test_pause_exports_the_best_point_so_far_and_the_same_command_continues(tmp_path, chat_render, monkeypatch, capfd):
     """sft.pause_at_step: the run stops at a validation point without being marked done; its export is the best
     point so far; rerunning without the pause trains only the remaining steps and re-exports."""
-    from specforge_opd import validation
-    from specforge_opd.drafter import read_drafter_metadata
+    from specforge_opd.eval import validation
+    from specforge_opd.models.drafter import read_drafter_metadata
 
     bundle = make_target_dir(tmp_path / "target")
     taus = iter([1.1, 1.3, 1.2, 1.5])

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from specforge_opd.config import load_config
-from specforge_opd import sft, sft_train
-from specforge_opd.sft import SFTError
-from specforge_opd.sft_train import LAUNCH_FILE, Nodes, follow_node0, nodes_from_env, specforge_run_config
+from specforge_opd.stages import sft
+from specforge_opd.stages import sft_train
+from specforge_opd.stages.sft import SFTError
+from specforge_opd.stages.sft_train import LAUNCH_FILE, Nodes, follow_node0, nodes_from_env, specforge_run_config
 
 
 def test_nodes_from_env():

@@ -11,7 +11,7 @@ import torch
 
 from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 
-from specforge_opd.drafter import DrafterError, load_any_drafter, load_specforge_checkpoint, save_drafter
+from specforge_opd.models.drafter import DrafterError, load_any_drafter, load_specforge_checkpoint, save_drafter
 
 
 def _specforge_run(root: Path, drafter, step: int = 8) -> Path:

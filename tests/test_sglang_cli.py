@@ -6,13 +6,13 @@ import torch
 
 from conftest import make_tiny_drafter, make_tiny_target
 from specforge_opd.config import load_config
-from specforge_opd.drafter import drafter_layer_ids, save_drafter
-from specforge_opd.rollout import run_rollout
+from specforge_opd.models.drafter import drafter_layer_ids, save_drafter
+from specforge_opd.rollout.engine import run_rollout
 from specforge_opd.sglang.contract import server_layer_ids
 from specforge_opd.sglang.speculate import Drafter
 from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
-from specforge_opd.shards import read_shards
-from specforge_opd.target import TargetBundle
+from specforge_opd.rollout.shards import read_shards
+from specforge_opd.models.target import TargetBundle
 
 PROMPTS = [("p0", [5, 17, 33, 8]), ("p1", [40, 41, 42]), ("p2", [7, 9, 11, 13, 15, 3])]
 
@@ -23,7 +23,7 @@ def test_rollout_cli_over_standin_equals_embedded(tmp_path, monkeypatch, backend
     drafter = make_tiny_drafter(target)
     ddir = save_drafter(drafter, tmp_path / "drafter")
     bundle = TargetBundle(model=target, tokenizer=None, path=tmp_path, identity="tiny", stop_token_ids=[1])
-    monkeypatch.setattr("specforge_opd.target.load_target", lambda tcfg: bundle)
+    monkeypatch.setattr("specforge_opd.models.target.load_target", lambda tcfg: bundle)
     common = [f"draft.path={ddir}", "rollout.max_new_tokens=10", "rollout.teacher=token", "rollout.sequences_per_shard=2",
               "target.max_context=64", "training.feature_source=target"]
     run_rollout(load_config(None, common + ["rollout.backend=embedded"]), tmp_path / "embedded", prompts=PROMPTS)
@@ -52,13 +52,13 @@ def test_native_shards_train_with_recomputed_features(tmp_path, monkeypatch):
     """The native-mode loop: SGLang-style rollout (no features, token teacher) -> shards -> the trainer
     recomputes features and the full teacher with its frozen target, and gives the same loss as training
     on embedded shards that carry them."""
-    from specforge_opd.trainer import distill
+    from specforge_opd.train.trainer import distill
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target)
     ddir = save_drafter(drafter, tmp_path / "drafter")
     bundle = TargetBundle(model=target, tokenizer=None, path=tmp_path, identity="tiny", stop_token_ids=[1])
-    monkeypatch.setattr("specforge_opd.target.load_target", lambda tcfg: bundle)
+    monkeypatch.setattr("specforge_opd.models.target.load_target", lambda tcfg: bundle)
     common = [f"draft.path={ddir}", "rollout.max_new_tokens=10", "rollout.sequences_per_shard=3", "target.max_context=64",
               "training.num_epochs=1", "training.batch_size=3", "training.shuffle=false", "output.tensorboard=false"]
     run_rollout(load_config(None, common + ["rollout.backend=embedded", "rollout.teacher=full"]), tmp_path / "embedded", prompts=PROMPTS)

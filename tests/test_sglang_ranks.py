@@ -20,7 +20,7 @@ class _Sentinel(Exception):
 def test_opd_pins_the_rank_gpu_before_loading_the_target(tmp_path, monkeypatch):
     """torch.cuda.set_device(LOCAL_RANK) comes before anything touches CUDA (the target load, NCCL's init and
     barrier), and the target is loaded on cuda:LOCAL_RANK, not on the bare "cuda" that means GPU 0."""
-    from specforge_opd import opd
+    from specforge_opd.stages import opd
 
     events = []
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -31,7 +31,7 @@ def test_opd_pins_the_rank_gpu_before_loading_the_target(tmp_path, monkeypatch):
         events.append(("load_target", tcfg.device))
         raise _Sentinel
 
-    monkeypatch.setattr("specforge_opd.target.load_target", load_target)
+    monkeypatch.setattr("specforge_opd.models.target.load_target", load_target)
     cfg = load_config(None, [f"output.dir={tmp_path}"])
     with pytest.raises(_Sentinel):
         opd.run_opd(cfg)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specforge_opd.responses import sglang_generate
-from specforge_opd.sft import SFTError
+from specforge_opd.rollout.responses import sglang_generate
+from specforge_opd.stages.sft import SFTError
 from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
 
 from conftest import make_tiny_target

@@ -240,7 +240,7 @@ def test_second_death_is_a_clear_error(tiny_target_dir, tmp_path):
 def test_verify_mode_equals_engine_B_speculative_engine():
     """The same rollout through HTTP (verify mode) and through ``rollout.SpeculativeEngine`` (in-process,
     KV-cached, batched): tokens, anchors, drafts, accepted counts exactly; features and teacher to 1e-4."""
-    rollout = pytest.importorskip("specforge_opd.rollout")
+    rollout = pytest.importorskip("specforge_opd.rollout.engine")
     from specforge_opd.config import RolloutConfig
 
     target = make_tiny_target()
@@ -395,7 +395,7 @@ def test_in_process_and_per_sequence_backends_give_the_same_records():
     KV cache, with holes and compaction) and through ``LocalTarget`` (one sequence per request, a full forward each, as
     the stand-in serves HTTP) gives the same tokens, anchors, drafts and accepted counts, and features and teacher to
     1e-4; a stop token or the budget cuts blocks short the same way. A drift in either backend's bookkeeping fails here."""
-    from specforge_opd.speculative import InProcessTarget, StepConfig, run_inline, speculate
+    from specforge_opd.rollout.step import InProcessTarget, StepConfig, run_inline, speculate
 
     target = make_tiny_target()
     for max_new in (12, 7):
@@ -421,7 +421,7 @@ def test_in_process_and_per_sequence_backends_give_the_same_records():
 
 def test_sampling_over_http_is_refused_with_the_setting_named():
     """Verify targets state ``greedy_only``: a T > 0 rollout over HTTP fails before any request, in one line."""
-    from specforge_opd.speculative import StepConfig, speculate
+    from specforge_opd.rollout.step import StepConfig, speculate
     from specforge_opd.sglang.verify_client import HTTPTarget, check_verify_settings
 
     target = HTTPTarget(None, 0, top_k=5, feature_dim=128)

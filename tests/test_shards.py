@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from specforge_opd import shards
-from specforge_opd.records import RolloutRecord
-from specforge_opd.shards import ShardError, ShardWriter, inspect_dir, read_shards, shard_meta
+from specforge_opd.rollout import shards
+from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.shards import ShardError, ShardWriter, inspect_dir, read_shards, shard_meta
 
 BS = 4
 META = {"block_size": BS, "target_layer_ids": [1, 2], "target_identity": "abc123", "mask_token_id": 96, "teacher": "topk",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specforge_opd.config import TargetConfig
-from specforge_opd.target import TargetError, load_target, resolve_device, target_identity
+from specforge_opd.models.target import TargetError, load_target, resolve_device, target_identity
 
 
 def _save_tiny(path):
@@ -65,7 +65,7 @@ def test_resolve_device():
 
 @pytest.mark.embedded
 def test_embedded_default(embedded_target_dir):
-    from specforge_opd.assets import EMBEDDED_MASK_TOKEN_ID
+    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
 
     b = load_target(TargetConfig(device="cpu"))
     assert b.path == embedded_target_dir
@@ -79,9 +79,9 @@ def test_hub_id_targets_load_through_a_snapshot_and_fail_offline_by_name(tmp_pat
     missing directory; offline and uncached it names target.path and the fix."""
     import huggingface_hub
 
-    from specforge_opd import target
+    from specforge_opd.models import target
     from specforge_opd.config import load_config
-    from specforge_opd.target import looks_like_hub_id, resolve_target_path
+    from specforge_opd.models.target import looks_like_hub_id, resolve_target_path
 
     snap = tmp_path / "snap"
     _save_tiny(snap)

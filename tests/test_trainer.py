@@ -8,9 +8,9 @@ import torch
 from conftest import make_tiny_drafter, make_tiny_target
 from opd_helpers import make_records
 from specforge_opd.config import load_config
-from specforge_opd.drafter import drafter_layer_ids, load_drafter
-from specforge_opd.replay import recompute_from_target
-from specforge_opd.trainer import BatchOrder, InjectedFault, NonFiniteError, distill
+from specforge_opd.models.drafter import drafter_layer_ids, load_drafter
+from specforge_opd.train.replay import recompute_from_target
+from specforge_opd.train.trainer import BatchOrder, InjectedFault, NonFiniteError, distill
 
 MASK = 96
 
@@ -65,8 +65,8 @@ def test_training_lowers_the_loss_and_logs_metrics(tmp_path, setup):
 
 def test_export_reloads_and_reproduces_outputs(tmp_path, setup):
     """The HF export and the DCP training state hold the same trained drafter."""
-    from specforge_opd.checkpoint import latest_checkpoint, load_checkpoint
-    from specforge_opd.replay import replay_hidden
+    from specforge_opd.train.checkpoint import latest_checkpoint, load_checkpoint
+    from specforge_opd.train.replay import replay_hidden
 
     target, drafter, records = setup
     cfg = _cfg(tmp_path, learning_rate=1e-3, num_epochs=1, batch_size=3)
@@ -123,7 +123,7 @@ def test_resume_at_epoch_boundary_trains_the_next_epoch(tmp_path, setup):
 
 
 def test_resume_onto_other_data_is_refused(tmp_path, setup):
-    from specforge_opd.checkpoint import CheckpointError
+    from specforge_opd.train.checkpoint import CheckpointError
 
     target, drafter, records = setup
     kw = dict(num_epochs=1, batch_size=3, checkpoint_interval=1)

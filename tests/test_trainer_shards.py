@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from specforge_opd.config import RolloutConfig, load_config
-from specforge_opd.drafter import drafter_layer_ids
-from specforge_opd.replay import recompute_from_target, replay_logits
-from specforge_opd.trainer import distill, load_records
+from specforge_opd.models.drafter import drafter_layer_ids
+from specforge_opd.train.replay import recompute_from_target, replay_logits
+from specforge_opd.train.trainer import distill, load_records
 
 MASK = 96
 
@@ -14,8 +14,8 @@ MASK = 96
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
     from conftest import make_tiny_drafter, make_tiny_target
-    from specforge_opd.rollout import SpeculativeEngine
-    from specforge_opd.shards import ShardWriter
+    from specforge_opd.rollout.engine import SpeculativeEngine
+    from specforge_opd.rollout.shards import ShardWriter
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target, block_size=4, layers=2)

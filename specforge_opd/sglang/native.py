@@ -50,9 +50,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import SGLangConfig
-from ..records import RolloutRecord
-from .contract import NATIVE_STEP_FIELDS, ContractError, NativeStep, native_request, parse_native_response, request_timeout_s
+from specforge_opd.config import SGLangConfig
+from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.sglang.contract import NATIVE_STEP_FIELDS, ContractError, NativeStep, native_request, parse_native_response, request_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ async def native_rollout_async(
     with ``max_new_tokens`` (``contract.request_timeout_s``). ``stats``, when given,
     receives ``retracted`` (records cut at a retraction).
     """
-    from .verify_client import for_each_prompt
+    from specforge_opd.sglang.verify_client import for_each_prompt
 
     timeout = request_timeout_s(sglang_cfg, max_new_tokens)
     counts = {"retracted": 0}

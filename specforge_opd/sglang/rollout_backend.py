@@ -22,8 +22,8 @@ from typing import Iterable
 
 import torch
 
-from ..config import ExperimentConfig
-from .launcher import Endpoints, SGLangServer, mode_env, rank_gpu_env, server_args
+from specforge_opd.config import ExperimentConfig
+from specforge_opd.sglang.launcher import Endpoints, SGLangServer, mode_env, rank_gpu_env, server_args
 
 
 @contextlib.contextmanager
@@ -74,11 +74,11 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
         ValueError: a setting the mode cannot honour (names the field).
         ServerError / ContractError: the server failed to start or answered outside the contract.
     """
-    from ..drafter import drafter_layer_ids
-    from ..shards import written_sample_ids
-    from .native import native_rollout_async
-    from .speculate import Drafter
-    from .verify_client import check_verify_settings, verify_rollout_to_shards
+    from specforge_opd.models.drafter import drafter_layer_ids
+    from specforge_opd.rollout.shards import written_sample_ids
+    from specforge_opd.sglang.native import native_rollout_async
+    from specforge_opd.sglang.speculate import Drafter
+    from specforge_opd.sglang.verify_client import check_verify_settings, verify_rollout_to_shards
 
     rc = cfg.rollout
     layer_ids = drafter_layer_ids(drafter)

@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from ..records import RolloutRecord
-from ..speculative import (
+from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.step import (
     DFlashDrafter,
     PerSequenceTarget,
     PrefillResult,
@@ -117,7 +117,7 @@ async def speculate_sequence(
     store_features: bool,
     drafter_step: int = 0,
 ) -> RolloutRecord:
-    """Roll out one sequence at temperature 0; returns its ``RolloutRecord`` (see ``specforge_opd.records``).
+    """Roll out one sequence at temperature 0; returns its ``RolloutRecord`` (see ``specforge_opd.rollout.records``).
 
     ``speculative.speculate`` with one row: the response stops after the first stop
     token or at ``max_new_tokens``, a block cut short keeps only the tokens kept as

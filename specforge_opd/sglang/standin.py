@@ -50,9 +50,9 @@ from typing import Callable, Optional
 import torch
 from aiohttp import web
 
-from .contract import SGLANG_CAPTURE_OFFSET, server_layer_ids
-from .native import is_request_level_key, step_payloads
-from .speculate import Drafter, LocalTarget, accepted_count
+from specforge_opd.sglang.contract import SGLANG_CAPTURE_OFFSET, server_layer_ids
+from specforge_opd.sglang.native import is_request_level_key, step_payloads
+from specforge_opd.sglang.speculate import Drafter, LocalTarget, accepted_count
 
 STANDIN_VERSION = "0.5.23-standin"
 
@@ -436,7 +436,7 @@ def backend_from_args(args, native: bool) -> StandinBackend:
     target = AutoModelForCausalLM.from_pretrained(args.model_path, torch_dtype=torch.float32).eval()
     drafter = None
     if native:
-        from ..drafter import load_drafter
+        from specforge_opd.models.drafter import load_drafter
 
         model = load_drafter(args.speculative_draft_model_path, target_config=target.config)
         drafter = Drafter(model, target.get_input_embeddings(), target.get_output_embeddings())

@@ -19,9 +19,9 @@ from typing import Callable, Iterable, Optional
 import aiohttp
 import torch
 
-from ..config import SGLangConfig
-from ..records import RolloutRecord
-from .contract import (
+from specforge_opd.config import SGLangConfig
+from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.sglang.contract import (
     ContractError,
     feature_columns,
     parse_generate_response,
@@ -29,9 +29,9 @@ from .contract import (
     server_layer_ids,
     verify_request,
 )
-from .launcher import Endpoints, ServerError
-from ..speculative import PerSequenceTarget, greedy_only_error
-from .speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence, verify_caps
+from specforge_opd.sglang.launcher import Endpoints, ServerError
+from specforge_opd.rollout.step import PerSequenceTarget, greedy_only_error
+from specforge_opd.sglang.speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence, verify_caps
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Where prompts come from: offline assets, prompt sources and slices, chat rendering."""

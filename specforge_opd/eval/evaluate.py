@@ -1,0 +1,813 @@
+"""Evaluation: accepted length tau and speedup per dataset (paper section 5, Table 1).
+
+Two ways to get tau:
+
+* **Exact offline replay (temperature 0).** At T=0 the verified output of
+  speculative decoding is the target's greedy output whatever the drafter
+  proposes. So the target's greedy trajectory and its context features at the
+  drafter's layer ids are computed once per (target identity, rendered prompt,
+  max_new_tokens, stop tokens) and cached as safetensors; the tau of any drafter
+  then follows from replaying its drafting steps against the cached trajectory:
+  anchor a_0 = prompt_len; the block at a_m is drafted from the context features
+  of positions < a_m (drafter KV cache, as SpecForge's ``spec_generate``);
+  r_m = longest prefix of the drafts equal to the cached tokens at a_m+1..;
+  a_{m+1} = a_m + r_m + 1 (DESIGN.md, anchors). No target forward.
+* **Live decoding** (T > 0, ``eval.mode: live``, and the speedup measurement):
+  ``specforge_opd.rollout.engine.SpeculativeEngine`` against
+  ``specforge_opd.rollout.engine.autoregressive_generate`` on the same prompts, batch
+  and machine.
+
+Stopping rule, shared with the live engine and SGLang: a sequence ends once it
+holds ``max_new_tokens`` completion tokens (the prefill token counts) or a stop
+token; tokens past that are dropped and the verify step that produced them
+still counts. tau is pooled by ``specforge_opd.rollout.records.tau_of``.
+
+``evaluate`` writes ``eval.json``, ``eval.md`` and PNG plots into ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from tqdm import tqdm
+
+from specforge_opd.atomic import atomic_write_bytes, atomic_write_text
+from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.models.drafter import (
+    DrafterError,
+    check_compatible,
+    drafter_layer_ids,
+    drafter_mask_token_id,
+    load_drafter,
+    read_drafter_metadata,
+)
+from specforge_opd.eval.ngram import NGRAM_NAME, ngram_offline_tau
+from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
+
+CACHE_VERSION = 1
+
+
+class EvalError(ValueError):
+    """Evaluation input is wrong (dataset, prompts, drafter); the message names it and the fix."""
+
+
+# ---------------------------------------------------------------------------
+# the target's greedy trajectories (cached)
+
+
+@dataclass
+class Trajectory:
+    """The target's greedy continuation of one prompt, with its context features.
+
+    Attributes:
+        input_ids: int64 [T], prompt + greedy response (truncated after the first
+            stop token or at ``max_new_tokens`` completion tokens).
+        prompt_len: P, the number of prompt tokens (a_0 = P).
+        features: {layer_id: [T-1, H]} in the target's dtype; row i is the output of
+            decoder layer ``layer_id`` (HF ``hidden_states[layer_id + 1]``) at position i.
+        top2_gap: float32 [T-1]; the target's top-1 minus top-2 logit at position i
+            (the prediction of token i+1), from the teacher-forced forward; used for
+            the numerical-ties allowance (DESIGN.md).
+        finished: the response ends with a stop token.
+    """
+
+    input_ids: torch.Tensor
+    prompt_len: int
+    features: dict[int, torch.Tensor]
+    top2_gap: torch.Tensor
+    finished: bool
+
+    def context(self, layer_ids: Sequence[int]) -> torch.Tensor:
+        """Concatenated features [T-1, n*H] in ``layer_ids`` order (DESIGN.md, target layer ids)."""
+        return torch.cat([self.features[i] for i in layer_ids], dim=-1)
+
+
+def _greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int]) -> list[list[int]]:
+    """The target's greedy response tokens per prompt, by the decoder live evaluation's baseline uses."""
+    from specforge_opd.rollout.engine import autoregressive_generate
+
+    outs = autoregressive_generate(model, prompts, max_new_tokens, list(stop_token_ids), temperature=0.0, seed=0)
+    return [_cut(list(o), max_new_tokens, stop_token_ids) for o in outs]
+
+
+def _cut(tokens: list[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in stop_token_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    """Write safetensors to a temporary name, fsync, rename: a crash never leaves a torn cache entry."""
+    data = save({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+    atomic_write_bytes(path, data)
+
+
+class TrajectoryCache:
+    """Greedy trajectories + features of one target, keyed by a hash, stored as safetensors.
+
+    The key covers the target identity, dtype and device type, the prompt token
+    ids (hence the chat template and thinking setting), ``max_new_tokens`` and
+    the stop tokens. One
+    file per key holds every layer any evaluated drafter asked for; a drafter
+    needing another layer triggers one teacher-forced target forward and the
+    file is rewritten (atomically) with the union.
+    """
+
+    def __init__(self, root: Optional[os.PathLike], target_model, target_identity: str, *, max_new_tokens: int,
+                 stop_token_ids: Sequence[int], batch_size: int = 8):
+        self.root = Path(root) if root is not None else None
+        self.batch_size = int(batch_size)
+        self.model = target_model
+        self.identity = str(target_identity)
+        self.max_new_tokens = int(max_new_tokens)
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        #: Target forwards spent filling the cache (greedy steps are not counted separately).
+        self.target_calls = 0
+        self._dtype = str(next(target_model.parameters()).dtype).replace("torch.", "")
+
+    def key(self, prompt_ids: Sequence[int]) -> str:
+        payload = json.dumps(
+            # dtype and device type too: a bf16 GPU trajectory is not an fp32 CPU one
+            {"v": CACHE_VERSION, "target": self.identity, "dtype": str(self.model.dtype), "device": self.model.device.type,
+             "prompt": list(map(int, prompt_ids)),
+             "max_new_tokens": self.max_new_tokens, "stop": self.stop_token_ids},
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+    def _path(self, key: str) -> Optional[Path]:
+        return self.root / f"{key}.safetensors" if self.root is not None else None
+
+    def _load(self, key: str) -> Optional[Trajectory]:
+        path = self._path(key)
+        if path is None or not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                t = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # a torn or foreign file is recomputed, never trusted
+            print(f"warning: trajectory cache entry {path} unreadable ({e}); recomputing", file=sys.stderr)
+            return None
+        if meta.get("target") != self.identity or int(meta.get("version", -1)) != CACHE_VERSION:
+            return None
+        if meta.get("target_dtype", self._dtype) != self._dtype:
+            raise EvalError(f"trajectory cache entry {path} holds a {meta['target_dtype']} target's trajectory, this target is "
+                            f"{self._dtype}; point eval.cache_dir elsewhere or delete the entry")
+        feats = {int(k.split("_", 1)[1]): v for k, v in t.items() if k.startswith("layer_")}
+        return Trajectory(t["input_ids"], int(meta["prompt_len"]), feats, t["top2_gap"], meta["finished"] == "1")
+
+    def _save(self, key: str, tr: Trajectory) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        tensors = {"input_ids": tr.input_ids, "top2_gap": tr.top2_gap}
+        tensors.update({f"layer_{i}": v for i, v in tr.features.items()})
+        meta = {"version": str(CACHE_VERSION), "target": self.identity, "target_dtype": self._dtype, "prompt_len": str(tr.prompt_len),
+                "finished": "1" if tr.finished else "0", "max_new_tokens": str(self.max_new_tokens)}
+        _atomic_save(tensors, meta, path)
+
+    @torch.inference_mode()
+    def _capture(self, input_ids: torch.Tensor, layer_ids: Iterable[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """One teacher-forced forward over positions 0..T-2 (the last token is never fed to the target)."""
+        self.target_calls += 1
+        ids = input_ids[:-1].unsqueeze(0).to(self.model.device)
+        out = self.model(ids, output_hidden_states=True)
+        feats = {int(i): out.hidden_states[int(i) + 1][0].cpu() for i in layer_ids}
+        top2 = out.logits[0].float().topk(2, dim=-1).values
+        return feats, (top2[:, 0] - top2[:, 1]).cpu()
+
+    def get(self, prompts: list[list[int]], layer_ids: Iterable[int], desc: str = "target trajectories") -> list[Trajectory]:
+        """Trajectories for ``prompts`` holding at least ``layer_ids``; computes and stores what is missing.
+
+        Missing trajectories are decoded ``batch_size`` prompts at a time and each
+        chunk is stored before the next starts, so an interrupted fill resumes.
+        """
+        layer_ids = sorted({int(i) for i in layer_ids})
+        keys = [self.key(p) for p in prompts]
+        found = [self._load(k) for k in keys]
+        todo = [i for i, tr in enumerate(found) if tr is None]
+        from specforge_opd.rollout.engine import length_batches
+
+        for idx in tqdm(length_batches([len(prompts[i]) for i in todo], self.batch_size), desc=desc, leave=False,
+                        disable=None if todo else True):
+            chunk = [todo[j] for j in idx]
+            self.target_calls += 1
+            gens = _greedy_generate(self.model, [prompts[i] for i in chunk], self.max_new_tokens, self.stop_token_ids)
+            for i, gen in zip(chunk, gens):
+                ids = torch.tensor(list(prompts[i]) + gen, dtype=torch.long)
+                finished = bool(gen) and gen[-1] in self.stop_token_ids
+                found[i] = self._complete(keys[i], Trajectory(ids, len(prompts[i]), {}, torch.zeros(0), finished), layer_ids)
+        return [self._complete(k, tr, layer_ids) for k, tr in zip(keys, found)]
+
+    def _complete(self, key: str, tr: Trajectory, layer_ids: list[int]) -> Trajectory:
+        """Add missing layers (and the top-2 gaps) with one teacher-forced forward, then store."""
+        missing = [l for l in layer_ids if l not in tr.features]
+        if missing or tr.top2_gap.numel() != tr.input_ids.numel() - 1:
+            feats, gap = self._capture(tr.input_ids, sorted(set(missing) | set(tr.features)))
+            tr.features.update(feats)
+            tr.top2_gap = gap
+            self._save(key, tr)
+        return tr
+
+
+# ---------------------------------------------------------------------------
+# exact offline replay
+
+
+class _ContextKV:
+    """Stands in for the drafter's KV cache: per layer, the context keys/values [B, nkv, S, hd].
+
+    The drafter's attention calls ``update(k, v, layer_idx, cache_kwargs)`` with
+    the keys/values of the rows it was given and attends to what it returns. In
+    ``capture`` mode it keeps them (one full-context forward fills it); otherwise
+    it returns the stored context with the block's keys/values appended, storing
+    nothing (each block sees its context and itself only).
+    """
+
+    def __init__(self, keys=None, values=None, capture: bool = False):
+        self.keys, self.values, self.capture = keys or {}, values or {}, capture
+
+    def update(self, k, v, layer_idx, cache_kwargs=None):
+        if self.capture:
+            self.keys[layer_idx], self.values[layer_idx] = k, v
+            return k, v
+        return torch.cat([self.keys[layer_idx], k], dim=2), torch.cat([self.values[layer_idx], v], dim=2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if layer_idx not in self.keys else int(self.keys[layer_idx].shape[2])
+
+
+class _Replay:
+    """One prompt's replay state: trajectory, anchor, blocks so far, its context keys/values."""
+
+    def __init__(self, traj: Trajectory, sample_id: str):
+        self.traj, self.sample_id = traj, sample_id
+        self.ids = traj.input_ids.tolist()
+        self.E = len(self.ids)
+        self.a = traj.prompt_len
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [nkv, E-1, hd], RoPE applied
+        self.values: dict[int, torch.Tensor] = {}
+        self.anchors: list[int] = []
+        self.drafts: list[torch.Tensor] = []
+        self.accepted: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        # a == E-1: the trajectory's last token is already produced (as a bonus or the prefill token)
+        return self.a >= self.E - 1
+
+    def record(self, bs: int) -> RolloutRecord:
+        M = len(self.anchors)
+        return RolloutRecord(
+            sample_id=self.sample_id,
+            input_ids=self.traj.input_ids.clone(),
+            prompt_len=self.traj.prompt_len,
+            anchors=torch.tensor(self.anchors, dtype=torch.long),
+            drafts=torch.stack(self.drafts) if M else torch.zeros((0, bs - 1), dtype=torch.long),
+            accepted=torch.tensor(self.accepted, dtype=torch.long),
+            finished=self.traj.finished,
+            extra={"offline": True},
+        )
+
+
+def _context_kv(drafter, embed, st: _Replay, layer_ids, mask: int, dtype, device) -> None:
+    """Every drafter layer's context keys/values for positions 0..E-2, in one forward.
+
+    A DFlash layer projects the same context rows (``hidden_norm(fc(features))``)
+    whatever the block, so the keys/values a KV cache would accumulate block by
+    block (``spec_generate``) are computed here once; a block at a_m then uses
+    the first a_m of them.
+    """
+    ctx = st.traj.context(layer_ids).to(device=device, dtype=dtype)  # [E-1, n*H]
+    n = ctx.shape[0]
+    bs = int(drafter.block_size)
+    cap = _ContextKV(capture=True)
+    block = torch.full((1, bs), mask, dtype=torch.long, device=device)
+    drafter(
+        target_hidden=ctx.unsqueeze(0),
+        noise_embedding=embed(block).to(dtype),
+        position_ids=torch.arange(n + bs, device=device).unsqueeze(0),
+        past_key_values=cap,
+        use_cache=True,
+        is_causal=False,
+    )
+    st.keys = {l: k[0, :, :n] for l, k in cap.keys.items()}
+    st.values = {l: v[0, :, :n] for l, v in cap.values.items()}
+
+
+@torch.inference_mode()
+def offline_tau(
+    drafter,
+    target_model,
+    trajectories: list[Trajectory],
+    sample_ids: Optional[list[str]] = None,
+    *,
+    full_drafts: bool = False,
+    desc: str = "offline replay",
+) -> list[RolloutRecord]:
+    """Replay ``drafter``'s speculative decoding at T=0 against cached greedy trajectories.
+
+    Per block: the drafter runs [slot 0 = token at a_m, MASK x (bs-1)] at
+    positions a_m..a_m+bs-1 over the context of positions < a_m (as SpecForge's
+    ``spec_generate`` with its KV cache); drafts = argmax of the target's lm_head
+    at slots 1..bs-1 (slot k predicts position a_m + k, DESIGN.md block layout);
+    r_m = the longest prefix equal to the cached tokens, clipped to the tokens
+    the trajectory has (as the live engine clips the block that ends a
+    sequence); a_{m+1} = a_m + r_m + 1. No target forward.
+
+    Cost: the context keys/values of each trajectory are computed once
+    (``_context_kv``); prompts then advance in lockstep, one block each per
+    round, in one batched drafter forward (contexts right-padded, masked) and a
+    chunked lm_head (slots 1, 2-3, 4-7, ...) that stops, per prompt, after the
+    chunk holding the first mismatch: later slots cannot change the verdict.
+
+    Args:
+        drafter: ``DFlashDraftModel`` (eval mode).
+        target_model: the HF target; only its input embedding and lm_head are used.
+        trajectories: from ``TrajectoryCache.get``, holding the drafter's layer ids.
+        sample_ids: stored in the records (default "0", "1", ...).
+        full_drafts: compute every slot's draft (the full lm_head per block).
+
+    Returns:
+        One RolloutRecord per trajectory: input_ids = the trajectory, anchors [M],
+        accepted [M], drafts [M, bs-1] int64 with -1 at slots not computed,
+        ``extra["offline"] = True``. Pool with ``records.tau_of``.
+    """
+    sample_ids = sample_ids or [str(i) for i in range(len(trajectories))]
+    drafter.eval()
+    layer_ids = drafter_layer_ids(drafter)
+    bs = int(drafter.block_size)
+    mask_id = drafter_mask_token_id(drafter)
+    dtype = next(drafter.parameters()).dtype
+    device = next(drafter.parameters()).device
+    embed = target_model.get_input_embeddings()
+    w = target_model.get_output_embeddings().weight
+    states = [_Replay(tr, sid) for tr, sid in zip(trajectories, sample_ids)]
+    total = sum(s.E - 1 - s.a for s in states)
+    bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=None if total >= 2048 else True)
+    for s in states:
+        if not s.done:
+            _context_kv(drafter, embed, s, layer_ids, mask_id, dtype, device)
+    active = [s for s in states if not s.done]
+    n_layers = len(drafter.layers)
+    while active:
+        n = len(active)
+        anchors = torch.tensor([s.a for s in active], device=device)
+        S = int(anchors.max())
+        keys, values = {}, {}
+        for l in range(n_layers):
+            k0 = active[0].keys[l]
+            keys[l] = k0.new_zeros((n, k0.shape[0], S, k0.shape[2]))
+            values[l] = k0.new_zeros((n, k0.shape[0], S, k0.shape[2]))
+            for i, s in enumerate(active):
+                keys[l][i, :, : s.a] = s.keys[l][:, : s.a]
+                values[l][i, :, : s.a] = s.values[l][:, : s.a]
+        # attend to the row's own context (pad slots masked) and to its whole block
+        attend = torch.arange(S, device=device).unsqueeze(0) < anchors.unsqueeze(1)
+        attend = torch.cat([attend, torch.ones(n, bs, dtype=torch.bool, device=device)], dim=1)
+        block = torch.full((n, bs), mask_id, dtype=torch.long, device=device)
+        block[:, 0] = torch.tensor([s.ids[s.a] for s in active], device=device)
+        h = drafter(
+            target_hidden=torch.zeros((n, 0, drafter.fc.in_features), dtype=dtype, device=device),
+            noise_embedding=embed(block).to(dtype),
+            position_ids=anchors.unsqueeze(1) + torch.arange(bs, device=device),
+            attention_mask=attend[:, None, None, :].expand(n, 1, bs, S + bs),
+            past_key_values=_ContextKV(keys, values),
+            use_cache=True,
+        )[:, 1:].to(w.dtype)  # slots 1..bs-1
+        d = torch.full((n, bs - 1), -1, dtype=torch.long)
+        r = [0] * n
+        limit = [min(bs - 1, s.E - 1 - s.a) for s in active]  # drafted slots the trajectory can judge
+        open_ = [True] * n
+        k0, width = 0, 1
+        while k0 < bs - 1 and any(open_):
+            k1 = min(k0 + width, bs - 1)
+            rows = [i for i in range(n) if open_[i]]
+            d[rows, k0:k1] = (h[rows, k0:k1] @ w.T).argmax(-1).cpu()
+            for i in rows:
+                s = active[i]
+                for k in range(k0, min(k1, limit[i])):
+                    if int(d[i, k]) != s.ids[s.a + 1 + k]:
+                        limit[i] = k  # first mismatch: r is final
+                        break
+                    r[i] += 1
+                if not full_drafts and k1 >= limit[i]:
+                    open_[i] = False
+            k0, width = k1, width * 2
+        for i, s in enumerate(active):
+            s.anchors.append(s.a)
+            s.drafts.append(d[i].clone())
+            s.accepted.append(r[i])
+            bar.update(min(r[i] + 1, s.E - 1 - s.a))
+            s.a += r[i] + 1
+        active = [s for s in active if not s.done]
+    bar.close()
+    return [s.record(bs) for s in states]
+
+
+def offline_replay(drafter, target_model, traj: Trajectory, *, sample_id: str = "", full_drafts: bool = False) -> RolloutRecord:
+    """``offline_tau`` for one trajectory (see there)."""
+    return offline_tau(drafter, target_model, [traj], [sample_id], full_drafts=full_drafts)[0]
+
+
+# ---------------------------------------------------------------------------
+# live decoding and speedup
+
+
+def _rollout_config(cfg: ExperimentConfig, *, temperature: float, seed: int, max_new_tokens: int):
+    # eval decodes like the rollout engine but stores nothing it does not need
+    return cfg.rollout.model_copy(
+        # teacher "full" keeps the verify pass's hidden states (no extra vocab-wide work)
+        update=dict(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, batch_size=cfg.eval.batch_size,
+                    store_features=False, teacher="full", anchors="real")
+    )
+
+
+def live_decode(cfg: ExperimentConfig, target_model, drafter, prompts: list[list[int]], *, stop_token_ids, temperature: float, seed: int, max_new_tokens: Optional[int] = None, sample_ids=None) -> list[RolloutRecord]:
+    """Speculative decoding with ``specforge_opd.rollout.engine.SpeculativeEngine`` (batch ``eval.batch_size``).
+
+    Raises:
+        EvalError: the rollout engine is not available.
+    """
+    try:
+        from specforge_opd.rollout.engine import SpeculativeEngine
+    except ImportError as e:
+        raise EvalError(f"live decoding needs specforge_opd.rollout.engine.SpeculativeEngine ({e}); use eval.mode=offline at temperature 0") from e
+    rcfg = _rollout_config(cfg, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens or cfg.eval.max_new_tokens)
+    engine = SpeculativeEngine(target_model, drafter, rcfg, stop_token_ids=list(stop_token_ids), mask_token_id=drafter_mask_token_id(drafter),
+                               max_context=cfg.target.max_context, too_long=cfg.target.too_long,
+                               prefill_chunk=cfg.target.prefill_chunk)
+    records = []
+    bsz = cfg.eval.batch_size
+    sample_ids = sample_ids or [str(i) for i in range(len(prompts))]
+    for i in range(0, len(prompts), bsz):
+        records += engine.generate(prompts[i : i + bsz], sample_ids=sample_ids[i : i + bsz])
+    return records
+
+
+def measure_speedup(cfg: ExperimentConfig, target_model, drafter, prompts: list[list[int]], *, stop_token_ids) -> dict:
+    """Wall-clock decode speedup of speculative over autoregressive decoding, measured in one run.
+
+    Decode time per output token, prefill excluded: each method runs once with
+    ``max_new_tokens=1`` (prefill only) and once with ``eval.max_new_tokens``;
+    ``t_decode = (t_full - t_prefill) / (tokens_full - tokens_prefill)``. Same
+    prompts, batch size (``eval.batch_size``) and machine; temperature 0.
+
+    Returns:
+        dict: ``ar_s_per_token``, ``spec_s_per_token`` (seconds), ``speedup``
+        (ar / spec), ``ar_tokens``, ``spec_tokens``, ``tau``, ``num_prompts``, ``batch_size``.
+    """
+    from specforge_opd.rollout.engine import autoregressive_generate
+
+    N = cfg.eval.max_new_tokens
+    bsz = cfg.eval.batch_size
+
+    def ar(n):
+        t0 = time.perf_counter()
+        outs = []
+        for i in range(0, len(prompts), bsz):
+            outs += autoregressive_generate(target_model, prompts[i : i + bsz], n, list(stop_token_ids), temperature=0.0, seed=0)
+        dt = time.perf_counter() - t0
+        return dt, sum(len(_cut(list(o), n, stop_token_ids)) for o in outs)
+
+    def spec(n):
+        t0 = time.perf_counter()
+        recs = live_decode(cfg, target_model, drafter, prompts, stop_token_ids=stop_token_ids, temperature=0.0, seed=0, max_new_tokens=n)
+        dt = time.perf_counter() - t0
+        return dt, sum(r.completion_tokens for r in recs), recs
+
+    ar(2)  # warm-up: first calls pay for allocator and kernel selection
+    ar_p, ar_p_tok = ar(1)
+    sp_p, sp_p_tok, _ = spec(1)
+    ar_f, ar_tok = ar(N)
+    sp_f, sp_tok, recs = spec(N)
+    ar_per = (ar_f - ar_p) / max(1, ar_tok - ar_p_tok)
+    sp_per = (sp_f - sp_p) / max(1, sp_tok - sp_p_tok)
+    return {
+        "ar_s_per_token": ar_per,
+        "spec_s_per_token": sp_per,
+        "speedup": ar_per / sp_per if sp_per > 0 else float("nan"),
+        "ar_tokens": ar_tok,
+        "spec_tokens": sp_tok,
+        "tau": tau_of(recs),
+        "num_prompts": len(prompts),
+        "batch_size": bsz,
+    }
+
+
+# ---------------------------------------------------------------------------
+# prompts
+
+
+def _prompt_token_ids(cfg: ExperimentConfig, tokenizer, records) -> tuple[list[list[int]], list[str], int]:
+    """Render (same chat rendering as training) and tokenize; apply ``target.too_long``."""
+    from specforge_opd.data.chat import render_prompt
+
+    limit = cfg.target.max_context - cfg.eval.max_new_tokens
+    if limit <= 0:
+        raise ConfigError(f"eval.max_new_tokens={cfg.eval.max_new_tokens} leaves no room under target.max_context={cfg.target.max_context}")
+    out, ids, skipped = [], [], 0
+    for rec in records:
+        messages = rec.chat_messages()
+        first_turn = []
+        for m in messages:  # the first user turn (MT-Bench's second turn needs the first answer)
+            first_turn.append(m)
+            if m.get("role") == "user":
+                break
+        text = render_prompt(tokenizer, first_turn, thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
+        toks = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not toks:
+            raise EvalError(f"prompt {rec.id} renders to no tokens")
+        if len(toks) > limit:
+            if cfg.target.too_long == "error":
+                raise EvalError(f"prompt {rec.id} has {len(toks)} tokens > target.max_context - eval.max_new_tokens = {limit} (set target.too_long=skip or truncate_left)")
+            if cfg.target.too_long == "skip":
+                skipped += 1
+                continue
+            toks = toks[-limit:]
+        out.append(toks)
+        ids.append(str(rec.id))
+    return out, ids, skipped
+
+
+def check_dataset_names(cfg: ExperimentConfig) -> None:
+    """Raise EvalError for an empty or unknown ``eval.datasets`` (listing the known names); loads nothing."""
+    from specforge_opd.data import prompts as P
+
+    known = list(P.KNOWN_EVAL_SETS)
+    if not cfg.eval.datasets:
+        raise EvalError("eval.datasets is empty; name at least one of: " + ", ".join(known))
+    unknown = [d for d in cfg.eval.datasets if d not in known]
+    if unknown:
+        raise EvalError(f"eval.datasets: unknown dataset(s) {unknown}; known: {', '.join(known)}")
+
+
+def load_eval_prompts(cfg: ExperimentConfig, tokenizer) -> dict[str, tuple[list[list[int]], list[str]]]:
+    """Token ids and sample ids per dataset of ``eval.datasets``.
+
+    Raises:
+        EvalError: an unknown dataset (listing the known ones), an empty dataset.
+        prompts.PromptsError: a dataset missing offline (names the package or
+            ``data.local_files.<name>`` to provide).
+    """
+    from specforge_opd.data import prompts as P
+
+    check_dataset_names(cfg)
+    out = {}
+    for name in cfg.eval.datasets:
+        recs = P.eval_prompts(name, limit=cfg.eval.num_prompts, cache=cfg.target.cache_dir, local_files=cfg.data.local_files)
+        toks, ids, skipped = _prompt_token_ids(cfg, tokenizer, recs)
+        if skipped:
+            print(f"eval {name}: skipped {skipped} prompts longer than the context limit", file=sys.stderr)
+        if not toks:
+            raise EvalError(f"eval dataset {name} has no prompts to evaluate (num_prompts={cfg.eval.num_prompts}, {skipped} skipped as too long)")
+        out[name] = (toks, ids)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the evaluation
+
+
+def _dataset_stats(records: list[RolloutRecord], block_size: int) -> dict:
+    steps = sum(r.num_blocks for r in records)
+    return {
+        "tau": tau_of(records),
+        "tau_per_prompt": [tau_of([r]) for r in records],
+        # per-prompt counts behind the pooled tau, for bootstrap intervals (specforge_opd.eval.stats)
+        "tokens_per_prompt": [int(r.completion_tokens) for r in records],
+        "steps_per_prompt": [int(r.num_blocks) for r in records],
+        "histogram": accepted_histogram(records, block_size),
+        "completion_tokens": sum(r.completion_tokens for r in records),
+        "verify_steps": steps,
+        "num_prompts": len(records),
+        "finished": sum(bool(r.finished) for r in records),
+    }
+
+
+def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.PathLike, *, target=None, prompt_sets: Optional[dict] = None) -> dict:
+    """Evaluate drafters on ``cfg.eval.datasets`` and write ``eval.json``, ``eval.md`` and plots.
+
+    Args:
+        cfg: the experiment config (``eval``, ``target``, ``rollout`` sections).
+        drafter_dirs: {name: HF DFlash directory}; several drafters are evaluated
+            on the same prompts (and, offline, the same cached trajectories).
+        out_dir: where the results go (created).
+        target: an object with ``.model``, ``.identity``, ``.stop_token_ids`` and
+            ``.tokenizer`` (``specforge_opd.models.target.TargetBundle``); None loads ``cfg.target``.
+        prompt_sets: {dataset: (prompt token ids, sample ids)} instead of
+            ``eval.datasets`` (tests, callers with their own prompts).
+
+    Returns:
+        The dict written to ``eval.json``.
+
+    Raises:
+        EvalError / DrafterError: see module docstring; a drafter that does not fit
+        the target fails before any decoding.
+    """
+    ecfg = cfg.eval
+    out = Path(out_dir)
+    if not drafter_dirs:
+        raise EvalError("no drafter to evaluate: pass --drafter DIR (or NAME=DIR)")
+    if prompt_sets is None:
+        check_dataset_names(cfg)  # before paying for the target
+    if target is None:
+        from specforge_opd.models.target import load_target
+
+        target = load_target(cfg.target)
+    model = target.model
+    stop_ids = list(target.stop_token_ids)
+    drafters = {}
+    for name, d in drafter_dirs.items():
+        drafter = load_drafter(d, target_config=model.config, target_dtype=cfg.target.dtype)  # check_compatible runs before the weights load
+        check_compatible(drafter.config, model.config, expected_mask_token_id=cfg.draft.mask_token_id)
+        drafters[name] = drafter.to(model.device).eval()
+    if prompt_sets is None:
+        prompt_sets = load_eval_prompts(cfg, target.tokenizer)
+    for name, (toks, _) in prompt_sets.items():
+        if not toks:
+            raise EvalError(f"eval dataset {name} is empty")
+    offline = ecfg.mode == "offline" or (ecfg.mode == "auto" and ecfg.temperature == 0.0)
+    if offline and ecfg.temperature != 0.0:
+        raise ConfigError(f"eval.mode=offline is exact only at temperature 0 (eval.temperature={ecfg.temperature}); use mode=auto or live")
+    cache_root = Path(ecfg.cache_dir) if ecfg.cache_dir else out / "trajectory_cache"
+    cache = TrajectoryCache(cache_root, model, target.identity, max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop_ids,
+                            batch_size=max(ecfg.batch_size, 8))
+    all_layers = sorted({i for d in drafters.values() for i in drafter_layer_ids(d)})
+
+    result: dict[str, Any] = {
+        "target": {"identity": target.identity, "path": str(getattr(target, "path", "")), "thinking": cfg.target.thinking},
+        "eval": ecfg.model_dump(mode="json"),
+        "method": "offline_replay" if offline else "live",
+        "drafters": {},
+    }
+    for name, d in drafters.items():
+        meta = read_drafter_metadata(drafter_dirs[name])
+        result["drafters"][name] = {
+            "path": str(drafter_dirs[name]),
+            "block_size": int(d.block_size),
+            "target_layer_ids": drafter_layer_ids(d),
+            "metadata": meta,
+            "flops": meta.get("flops"),
+            "datasets": {},
+        }
+    ngram_bs = int(next(iter(drafters.values())).block_size)
+    if offline and ecfg.ngram:
+        result["drafters"][NGRAM_NAME] = {"path": None, "block_size": ngram_bs, "target_layer_ids": [],
+                                          "metadata": {"drafter": "prompt lookup", "ngram_max": ecfg.ngram_max},
+                                          "flops": None, "datasets": {}}
+
+    for ds, (toks, sids) in prompt_sets.items():
+        if offline:
+            t0 = time.perf_counter()
+            trajs = cache.get(toks, all_layers, desc=f"{ds}: target trajectories")
+            t_cache = time.perf_counter() - t0
+        for name, d in drafters.items():
+            entry: dict[str, Any]
+            if offline:
+                t0 = time.perf_counter()
+                recs = offline_tau(d, model, trajs, sids, desc=f"{ds}: {name}")
+                entry = _dataset_stats(recs, d.block_size)
+                entry.update(seconds=time.perf_counter() - t0, cache_seconds=t_cache)
+            else:
+                per_seed = []
+                for seed in ecfg.seeds:
+                    recs = live_decode(cfg, model, d, toks, stop_token_ids=stop_ids, temperature=ecfg.temperature, seed=seed, sample_ids=sids)
+                    per_seed.append(_dataset_stats(recs, d.block_size) | {"seed": seed})
+                entry = per_seed[0] | {"seeds": per_seed}
+                taus = [s["tau"] for s in per_seed]
+                entry["tau"] = statistics.fmean(taus)
+                entry["tau_std"] = statistics.stdev(taus) if len(taus) > 1 else 0.0
+                entry["tau_min"], entry["tau_max"] = min(taus), max(taus)
+            if ecfg.speedup:
+                n = ecfg.speedup_num_prompts or len(toks)
+                entry["speedup"] = measure_speedup(cfg, model, d, toks[:n], stop_token_ids=stop_ids)
+            result["drafters"][name]["datasets"][ds] = entry
+        if offline and ecfg.ngram:
+            recs = ngram_offline_tau(trajs, ngram_bs, sids, max_ngram=ecfg.ngram_max)
+            result["drafters"][NGRAM_NAME]["datasets"][ds] = _dataset_stats(recs, ngram_bs)
+
+    out.mkdir(parents=True, exist_ok=True)
+    from specforge_opd.eval.plots import plot_accept_histograms, plot_tau_per_dataset
+
+    result["plots"] = {
+        "tau": plot_tau_per_dataset(result, out / "tau_per_dataset.png").name,
+        "histogram": plot_accept_histograms(result, out / "accept_hist.png").name,
+    }
+    atomic_write_text(out / "eval.json", json.dumps(result, indent=2, default=float))
+    atomic_write_text(out / "eval.md", render_markdown(result))
+    return result
+
+
+
+def _hist_summary(hist: list[int]) -> str:
+    """Share of verify steps by accepted length r+1: '1:62% 2:21% 3:9% ...' (nonzero bins)."""
+    total = sum(hist)
+    if not total:
+        return "-"
+    return " ".join(f"{L}:{100 * c / total:.0f}%" for L, c in enumerate(hist) if L > 0 and c)
+
+
+def _fmt_flops(x) -> str:
+    return "-" if x in (None, 0) else f"{float(x):.3g}"
+
+
+def render_markdown(result: dict) -> str:
+    """``eval.md``: one table per dataset, drafters side by side, then FLOPs."""
+    lines = [f"# Evaluation ({result['method']})", ""]
+    e = result["eval"]
+    lines.append(f"target `{result['target']['identity']}`, thinking={result['target']['thinking']}, "
+                 f"temperature={e['temperature']}, max_new_tokens={e['max_new_tokens']}, batch_size={e['batch_size']}"
+                 + (f", seeds={e['seeds']}" if result["method"] == "live" else ""))
+    lines.append("")
+    lines.append("tau = completion tokens (prefill token included) / verify steps. "
+                 "Histogram: share of verify steps by accepted length r+1. "
+                 "Speedup: autoregressive / speculative decode time per output token (prefill excluded).")
+    datasets = []
+    for d in result["drafters"].values():
+        for ds in d["datasets"]:
+            if ds not in datasets:
+                datasets.append(ds)
+    for ds in datasets:
+        lines += ["", f"## {ds}", "", "| drafter | tau | prompts | verify steps | generated tokens | accepted length r+1 | speedup |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, d in result["drafters"].items():
+            s = d["datasets"].get(ds)
+            if s is None:
+                continue
+            tau = f"{s['tau']:.3f}"
+            if "tau_std" in s:
+                tau += f" ± {s['tau_std']:.3f}"
+            sp = s.get("speedup")
+            sp_txt = f"{sp['speedup']:.2f}x (AR {1000 * sp['ar_s_per_token']:.1f} ms/tok, spec {1000 * sp['spec_s_per_token']:.1f} ms/tok)" if sp else "-"
+            lines.append(f"| {name} | {tau} | {s['num_prompts']} | {s['verify_steps']} | {s['completion_tokens']} | {_hist_summary(s['histogram'])} | {sp_txt} |")
+    lines += ["", "## Training FLOPs", "", "| drafter | drafter training | teacher lm_head | target rollout | target capture |", "|---|---|---|---|---|"]
+    for name, d in result["drafters"].items():
+        f = d.get("flops") or {}
+        lines.append(f"| {name} | {_fmt_flops(f.get('drafter_train'))} | {_fmt_flops(f.get('teacher_lm_head'))} | "
+                     f"{_fmt_flops(f.get('target_rollout'))} | {_fmt_flops(f.get('target_capture'))} |")
+    lines += ["", f"![tau per dataset]({result['plots']['tau']})", "", f"![accepted length]({result['plots']['histogram']})", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+def _parse_drafters(values: list[str]) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for v in values or []:
+        name, sep, path = v.partition("=")
+        if not sep:
+            name, path = Path(v).name or v, v
+        if name in out:
+            raise ConfigError(f"--drafter name `{name}` given twice; use NAME=DIR to tell them apart")
+        out[name] = Path(path)
+    return out
+
+
+def _user_errors() -> tuple:
+    """Error classes whose message is the whole story (bad input, not a bug): printed without a traceback."""
+    from specforge_opd.data.assets import AssetError
+    from specforge_opd.data.chat import ChatError
+    from specforge_opd.data.prompts import PromptsError
+    from specforge_opd.rollout.engine import RolloutError
+    from specforge_opd.models.target import TargetError
+
+    return (EvalError, DrafterError, PromptsError, ChatError, TargetError, RolloutError, AssetError)
+
+
+def cli(argv: list[str]) -> int:
+    """``specforge-opd eval -c CFG --drafter DIR [--drafter NAME=DIR ...] [overrides] [--out DIR]``."""
+    from specforge_opd.cli import experiment_parser, parse_experiment
+
+    p = experiment_parser("eval", "accepted length (tau) and speedup per dataset; writes eval.json, eval.md, plots")
+    p.add_argument("--drafter", action="append", default=[], help="drafter HF directory, or NAME=DIR; repeat to compare")
+    args, cfg = parse_experiment(p, argv)
+    drafters = _parse_drafters(args.drafter)
+    if not drafters and cfg.draft.path:
+        drafters = {"draft": Path(cfg.draft.path)}
+    out = Path(cfg.output.dir)
+    _USER_ERRORS = _user_errors()
+    try:
+        evaluate(cfg, drafters, out)
+    except _USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print((out / "eval.md").read_text())
+    print(f"wrote {out / 'eval.json'}")
+    return 0

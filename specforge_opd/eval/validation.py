@@ -1,0 +1,138 @@
+"""The SFT stage's validation curve: tau of its checkpoints on a held-out slice of the training pool.
+
+Picking an SFT checkpoint by loss is what field reports warn against (tau peaks
+while the loss still falls), and the curve of tau against training compute is
+where SFT plateaus (the paper's Figure 1). So the SFT stage trains in segments of
+``sft.val_interval`` optimizer steps; after each one the checkpoint is exported
+(before SpecForge prunes it) and its tau measured by exact offline replay
+(``evaluate.offline_tau``) on ``sft.val_prompts`` prompts of the training pool that
+SFT does not train on. They are never the evaluation sets: the pool already drops
+prompts that overlap those. The points go to ``curve.jsonl`` and TensorBoard, and
+``sft_curve.png`` plots tau against cumulative drafter FLOPs; the export is the
+point with the best tau (``sft.select: best_val``) or the last (``last``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from specforge_opd.atomic import atomic_write_text
+
+CURVE_FILE = "curve.jsonl"
+
+
+def segment_ends(total_steps: int, interval: int) -> list[int]:
+    """Optimizer steps at which a validation point is taken: every ``interval`` steps, and the last step.
+
+    Raises:
+        ValueError: ``interval`` < 1 (``sft.val_interval``).
+    """
+    if interval < 1:
+        raise ValueError(f"sft.val_interval={interval}: must be at least 1 optimizer step")
+    ends = list(range(interval, total_steps, interval))
+    return ends + [total_steps]
+
+
+def read_curve(run_dir: Path) -> list[dict]:
+    """The points measured so far (``curve.jsonl`` under ``run_dir``), in step order."""
+    p = Path(run_dir) / CURVE_FILE
+    if not p.is_file():
+        return []
+    pts = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return sorted(pts, key=lambda x: x["step"])
+
+
+def add_point(run_dir: Path, point: dict) -> list[dict]:
+    """Record a point (replacing one at the same step) atomically; returns the curve."""
+    pts = [p for p in read_curve(run_dir) if p["step"] != point["step"]] + [point]
+    pts.sort(key=lambda x: x["step"])
+    atomic_write_text(Path(run_dir) / CURVE_FILE, "".join(json.dumps(p) + "\n" for p in pts))
+    return pts
+
+
+def select(points: Sequence[dict], rule: str) -> dict:
+    """The point to export: highest tau (the earliest of equals) for ``best_val``, the last for ``last``.
+
+    Raises:
+        ValueError: no point, or an unknown rule (``sft.select``).
+    """
+    if not points:
+        raise ValueError("no validation point to select from")
+    if rule == "last":
+        return max(points, key=lambda p: p["step"])
+    if rule != "best_val":
+        raise ValueError(f"sft.select={rule!r}: expected best_val or last")
+    return max(points, key=lambda p: (p["tau"], -p["step"]))
+
+
+def plateaued(points: Sequence[dict], patience: int, band: float) -> bool:
+    """Whether SFT has plateaued: the last ``patience`` points all fail to beat the best point before
+    them by more than ``band`` tau (``sft.plateau_patience`` / ``sft.plateau_band``).
+
+    The band is the noise of a validation tau (the seed spread at this scale is
+    0.01-0.04), so a plateau is a run of points that could be noise around the best.
+    ``patience`` 0 never stops.
+    """
+    pts = sorted(points, key=lambda p: p["step"])
+    if patience < 1 or len(pts) <= patience:
+        return False
+    best_before = max(p["tau"] for p in pts[:-patience])
+    return max(p["tau"] for p in pts[-patience:]) <= best_before + band
+
+
+class ValidationSet:
+    """Greedy trajectories of the validation prompts, cached once; ``tau(drafter)`` replays a drafter on them.
+
+    Args:
+        target_model: the HF target (eval mode).
+        target_identity: ``target.target_identity`` (keys the trajectory cache).
+        prompts: token id lists of the validation prompts.
+        max_new_tokens, stop_token_ids: the trajectories' budget and stops (the SFT responses').
+        cache_dir: where the trajectories are kept (safetensors; reused on resume).
+    """
+
+    def __init__(self, target_model, target_identity: str, prompts: list[list[int]], *, max_new_tokens: int,
+                 stop_token_ids: Sequence[int], cache_dir: Optional[Path]):
+        from specforge_opd.eval.evaluate import TrajectoryCache
+
+        self.model = target_model
+        self.prompts = prompts
+        self.cache = TrajectoryCache(cache_dir, target_model, target_identity, max_new_tokens=max_new_tokens,
+                                     stop_token_ids=stop_token_ids)
+
+    def tau(self, drafter) -> float:
+        """Pooled tau (``records.tau_of``) of ``drafter`` on the validation trajectories, exact at T=0."""
+        import torch
+
+        from specforge_opd.models.drafter import drafter_layer_ids
+        from specforge_opd.eval.evaluate import offline_tau
+        from specforge_opd.rollout.records import tau_of
+
+        trajs = self.cache.get(self.prompts, drafter_layer_ids(drafter), desc="validation trajectories")
+        with torch.no_grad():
+            return tau_of(offline_tau(drafter.eval(), self.model, trajs, desc="validation replay"))
+
+
+def plot_curve(points: Sequence[dict], path: Path, selected_step: Optional[int] = None) -> Path:
+    """``sft_curve.png``: validation tau against cumulative drafter-training FLOPs, the selected point marked."""
+    from specforge_opd.eval.plots import plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    xs = [p["drafter_flops"] for p in points]
+    ax.plot(xs, [p["tau"] for p in points], marker="o")
+    for p in points:
+        if p["step"] == selected_step:
+            ax.plot([p["drafter_flops"]], [p["tau"]], marker="*", markersize=14, color="C3", label=f"exported (step {p['step']})")
+    ax.set_xlabel("cumulative drafter-training FLOPs")
+    ax.set_ylabel("validation tau")
+    ax.set_title("SFT validation curve")
+    if selected_step is not None:
+        ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

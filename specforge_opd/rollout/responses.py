@@ -1,0 +1,186 @@
+"""The target's responses to the SFT training prompts: generation through HF, the embedded engine or SGLang.
+
+Step 1 of the SFT stage. Prompts come in as token ids (``prompts.tokenize_prompts``);
+each response is the target's continuation, greedy or sampled (``sft.temperature``),
+cut after the first stop token and at ``sft.max_new_tokens``. ``run_responses`` writes
+them as JSONL chunks of ``ResponseRecord``, a chunk at a time, so a killed run keeps its
+finished chunks and, sampling being seeded per prompt id, resumes with what the
+uninterrupted run would have written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from specforge_opd.atomic import atomic_write_bytes
+from specforge_opd.config import ExperimentConfig
+from specforge_opd.stepkeys import SFTError
+
+
+@dataclass
+class ResponseRecord:
+    """One generated training sample: token ids of the rendered prompt and of the target's response.
+
+    ``response_ids`` ends with the stop token when the target stopped (kept:
+    the drafter learns to propose it) and is cut at ``sft.max_new_tokens``.
+    """
+
+    id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finished: bool
+
+
+def _cut_at_stop(ids: list[int], stop_ids: set[int], max_new: int) -> tuple[list[int], bool]:
+    """``(ids[:max_new] up to and including the first stop id, whether a stop id was found)``."""
+    ids = list(ids)[:max_new]
+    for j, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[: j + 1], True
+    return ids, False
+
+
+def hf_generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
+                temperature: float, seed: int, pad_token_id: int) -> list[list[int]]:
+    """Batched target decoding with HF ``generate`` and left padding (fallback backend).
+
+    Returns the new tokens per prompt (prompt excluded), not yet cut at a stop token.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    width = max(len(p) for p in prompts)
+    dev = next(model.parameters()).device
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        att[i, width - len(p):] = 1
+    kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, eos_token_id=list(stop_token_ids),
+                  pad_token_id=pad_token_id)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), **kwargs)
+    return [row[width:].tolist() for row in out.cpu()]
+
+
+def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
+                    temperature: float, seed: int, timeout_s: float, max_in_flight: int = 32,
+                    timeout_per_token_s: float = 0.05, max_retries: int = 2) -> list[list[int]]:
+    """Target decoding through SGLang's native ``/generate`` (``input_ids`` in, ``output_ids`` out).
+
+    One request per prompt, at most ``max_in_flight`` in flight at once (SGLang
+    batches the requests it holds by itself), spread round-robin over ``urls``.
+    A request may take ``timeout_s + timeout_per_token_s * max_new_tokens``
+    seconds; a transient failure (connection error, timeout, HTTP 5xx/429) is
+    retried ``max_retries`` times with backoff, so one slow prompt no longer
+    fails the whole set. Returns the new tokens of each prompt, in prompt order.
+
+    Raises:
+        SFTError: no URL configured, a server unreachable after the retries, or a
+            reply without ``output_ids``.
+    """
+    import asyncio
+
+    from specforge_opd.config import SGLangConfig
+    from specforge_opd.sglang.contract import ContractError, request_timeout_s
+    from specforge_opd.sglang.launcher import Endpoints, ServerError
+    from specforge_opd.sglang.verify_client import for_each_prompt
+
+    if not urls:
+        raise SFTError("rollout.backend is sglang but sglang.urls is empty; start a server and list its URL")
+    cfg = SGLangConfig(urls=list(urls), request_timeout_s=timeout_s, timeout_per_token_s=timeout_per_token_s,
+                       max_in_flight=max_in_flight, max_retries=max_retries)
+    timeout = request_timeout_s(cfg, max_new_tokens)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                "stop_token_ids": list(stop_token_ids), "sampling_seed": seed}
+
+    async def one(client, i: int, _sid: str, ids: list[int]) -> list[int]:
+        reply = await client.post(i, "/generate", {"input_ids": ids, "sampling_params": sampling}, timeout_s=timeout)
+        if isinstance(reply, list) and len(reply) == 1:
+            reply = reply[0]
+        if not isinstance(reply, dict) or "output_ids" not in reply:
+            keys = sorted(reply) if isinstance(reply, dict) else type(reply).__name__
+            raise SFTError(f"SGLang server {client.endpoints.url(i)} replied without output_ids (keys {keys})")
+        return [int(t) for t in reply["output_ids"]]
+
+    try:
+        return asyncio.run(for_each_prompt(Endpoints(list(urls)), cfg, [(str(i), list(p)) for i, p in enumerate(prompts)], one))
+    except (ServerError, ContractError) as e:
+        raise SFTError(f"SGLang /generate failed: {e}") from e
+
+
+def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, seed: int,
+                       sample_ids: Optional[list[str]] = None) -> list[list[int]]:
+    """New tokens for each prompt (prompt excluded), from the configured backend.
+
+    The embedded backend is ``rollout.autoregressive_generate`` (KV cache,
+    batched, per-sample generators seeded by ``seed`` and the sample id, so a
+    resumed run samples what the uninterrupted one would).
+    """
+    kw = dict(max_new_tokens=cfg.sft.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids),
+              temperature=cfg.sft.temperature, seed=seed)
+    if cfg.rollout.backend != "embedded":
+        return sglang_generate(cfg.sglang.urls, prompts, timeout_s=cfg.sglang.request_timeout_s, **kw)
+    try:
+        from specforge_opd.rollout.engine import autoregressive_generate
+    except ImportError:
+        autoregressive_generate = None
+    if autoregressive_generate is not None:
+        return [list(r) for r in autoregressive_generate(bundle.model, prompts, sample_ids=sample_ids,
+                                                                  prefill_chunk=cfg.target.prefill_chunk, **kw)]
+    pad = bundle.tokenizer.pad_token_id
+    pad = bundle.stop_token_ids[0] if pad is None else pad
+    return hf_generate(bundle.model, prompts, pad_token_id=pad, **kw)
+
+
+def read_responses(d: Path) -> list[ResponseRecord]:
+    """All response records of a responses directory, chunk by chunk, in order."""
+    out = []
+    for f in sorted(d.glob("chunk_*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                out.append(ResponseRecord(**json.loads(line)))
+    return out
+
+
+def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: ExperimentConfig) -> dict:
+    """Generate the responses chunk by chunk; an existing chunk file is finished work and is kept.
+
+    Chunk c covers prompts ``[c*chunk, (c+1)*chunk)``; sampling is seeded per
+    prompt id, so a resumed run writes what the uninterrupted one would.
+    """
+    from tqdm import tqdm
+
+    chunk = cfg.sft.chunk_prompts
+    n_chunks = math.ceil(len(tokenized) / chunk)
+    stop = set(bundle.stop_token_ids)
+    done_before = sum((d / f"chunk_{c:05d}.jsonl").is_file() for c in range(n_chunks))
+    bar = tqdm(total=len(tokenized), desc="sft responses", unit="prompt", initial=min(len(tokenized), done_before * chunk))
+    for c in range(n_chunks):
+        f = d / f"chunk_{c:05d}.jsonl"
+        if f.is_file():
+            continue
+        part = tokenized[c * chunk:(c + 1) * chunk]
+        lines = [""] * len(part)  # in prompt order, whatever order the batches ran in
+        from specforge_opd.rollout.engine import length_batches
+
+        for idx in length_batches([len(p) for _, p in part], cfg.sft.batch_size):
+            batch = [part[i] for i in idx]
+            outs = generate_responses(bundle, [p for _, p in batch], cfg, seed=cfg.data.seed,
+                                      sample_ids=[pid for pid, _ in batch])
+            for i, (pid, p), o in zip(idx, batch, outs):
+                resp, finished = _cut_at_stop(o, stop, cfg.sft.max_new_tokens)
+                lines[i] = json.dumps(ResponseRecord(pid, p, resp, finished).__dict__)
+            bar.update(len(batch))
+        atomic_write_bytes(f, ("\n".join(lines) + "\n").encode())
+    bar.close()
+    recs = read_responses(d)
+    return {"samples": len(recs), "response_tokens": sum(len(r.response_ids) for r in recs),
+            "finished": sum(r.finished for r in recs)}
+

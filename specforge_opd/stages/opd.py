@@ -1,0 +1,546 @@
+"""The iterated OPD stage (``scripts/train_opd.sh``): roll out, train, export, repeat.
+
+Shape: one job with alternating phases. Each iteration
+
+1. **rollout**: every rank rolls out its share of the iteration's prompts with a
+   full copy of the current drafter (target-assisted speculative decoding,
+   ``specforge_opd.rollout.engine.SpeculativeEngine``), one shard per batch, into the
+   iteration's spool directory; the rollout measures the current drafter's
+   on-policy tau for free;
+2. **train**: all ranks train together on those shards (``trainer.distill``,
+   FSDP2), one optimizer step per ``opd.prompts_per_step`` prompts, on the one
+   cosine schedule of the whole stage, carrying optimizer state across
+   iterations; the new drafter is exported and handed to the next rollout;
+3. **bookkeeping**: metrics to ``opd_metrics.jsonl`` and TensorBoard, shards
+   deleted unless ``opd.keep_shards``, ``opd_state.json`` advanced last.
+
+Alternating rather than overlapped phases keeps the rollout exactly on-policy
+(policy lag 0 at the first step of each iteration) and needs no second process
+to coordinate on a CPU; the spool budget therefore has to hold one iteration,
+which ``plan.make_plan`` checks before any work.
+
+Resume: killing the job anywhere and rerunning the same command continues.
+Finished rollout batches are found in the spool's manifest by sample id and not
+redone; training resumes from the iteration's last checkpoint (``distill``);
+a finished iteration is never redone (``opd_state.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specforge_opd.atomic import atomic_write_json
+from specforge_opd.config import ExperimentConfig
+from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
+from specforge_opd.stages.plan import (
+    OPDPlan,
+    PlanError,
+    captured_layers,
+    estimate_rank_memory,
+    iteration_prompt_indices,
+    make_plan,
+    per_rank_schedule,
+    planned_world_size,
+)
+from specforge_opd.rollout.records import accepted_histogram, tau_of
+from specforge_opd.stepkeys import dir_bytes
+
+STATE_FILE = "opd_state.json"
+
+
+def _rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def bind_rank_device(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Pin this torchrun rank to its own GPU before anything touches CUDA.
+
+    ``torch.cuda.set_device(LOCAL_RANK)`` first, whatever ``target.device`` says
+    (NCCL's init and barriers, which run whenever CUDA is available, and every
+    bare ``"cuda"`` tensor then use the rank's GPU instead of GPU 0; NCCL refuses
+    two ranks on one GPU), as the trainer does; ``target.device`` "auto"/"cuda"
+    becomes ``cuda:LOCAL_RANK``, an explicit device is kept. Returns ``cfg``
+    unchanged outside torchrun or without CUDA.
+    """
+    if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
+        return cfg
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    if cfg.target.device not in ("auto", "cuda"):
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    cfg.target.device = f"cuda:{local}"
+    return cfg
+
+
+def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
+    """(hidden size, target layers, drafter layers captured) without loading weights."""
+    tcfg = _target_config(cfg)
+    return int(tcfg.hidden_size), int(tcfg.num_hidden_layers), captured_layers(cfg)
+
+
+def _target_config(cfg: ExperimentConfig):
+    """The target's HF (text) config without loading weights: a local directory, the embedded
+    target, or the packaged Qwen3 config fixture matching ``target.path``.
+
+    Raises:
+        PlanError: ``target.path`` is neither a directory nor a known Qwen3 size.
+    """
+    from transformers import AutoConfig
+
+    from specforge_opd.data.assets import qwen3_fixture_dir, target_entry
+
+    path = cfg.target.path
+    if path is None:
+        d = target_entry()
+        if not (d / "config.json").is_file():
+            from specforge_opd.data.assets import ensure_target
+
+            d = ensure_target()
+        tcfg = AutoConfig.from_pretrained(d)
+    elif Path(path).expanduser().is_dir():
+        tcfg = AutoConfig.from_pretrained(Path(path).expanduser())
+    else:
+        size = next((s for s in ("30b-a3b", "8b", "4b") if s in path.lower()), None)
+        if size is None:
+            raise PlanError(f"target.path={path} is not a local directory and no packaged config fixture matches it")
+        tcfg = AutoConfig.from_pretrained(qwen3_fixture_dir(size))
+    return getattr(tcfg, "text_config", tcfg)
+
+
+def _pool(cfg: ExperimentConfig, tokenizer=None):
+    from specforge_opd.data.prompts import training_pool_with_stats
+
+    return training_pool_with_stats(cfg.data, cache=cfg.target.cache_dir, tokenizer=tokenizer)
+
+
+def dry_run(cfg: ExperimentConfig) -> OPDPlan:
+    """Print the plan (schedule, spool estimate, drafter, and per rank: prompts, steps and the
+    estimated peak GPU memory of the trainer and the recompute) without loading any weights.
+
+    The ranks are ``plan.planned_world_size()`` (``WORLD_SIZE``, or ``NNODES`` x ``NPROC``).
+
+    Raises:
+        PlanError: the schedule does not fit (see ``plan.make_plan``, ``plan.per_rank_schedule``).
+    """
+    tconf = _target_config(cfg)
+    hidden, n_target, n_captured = int(tconf.hidden_size), int(tconf.num_hidden_layers), captured_layers(cfg)
+    from specforge_opd.data.prompts import HUB_SOURCES
+
+    remote = [s for s in cfg.data.train_sources if s in HUB_SOURCES and s not in cfg.data.local_files]
+    if remote:
+        # a dry run never reaches for the hub: plan from the configured counts
+        pool_size = cfg.data.num_prompts or sum(cfg.data.source_limits.values())
+        pool_note = f"hub sources {remote} not loaded by a dry run; planning with the configured {pool_size} prompts"
+    else:
+        pool, stats = _pool(cfg)
+        pool_size, pool_note = len(pool), f"{stats}"
+    plan = make_plan(cfg, pool_size, hidden, n_captured)
+    print(f"OPD plan for {cfg.name} (target hidden {hidden}, {n_target} layers; drafter {cfg.draft.num_hidden_layers} layers, block_size {cfg.draft.block_size})")
+    print(f"  prompt pool: {pool_size} ({pool_note})")
+    for k, v in plan.as_dict().items():
+        if "bytes" in k:
+            print(f"  {k:32s} {v / 2**30:10.3f} GiB")
+        else:
+            print(f"  {k:32s} {v}")
+    print(f"  rollout: backend={cfg.rollout.backend} batch={cfg.rollout.batch_size} max_new_tokens={cfg.rollout.max_new_tokens} "
+          f"T={cfg.rollout.temperature} teacher={cfg.rollout.teacher} anchors={cfg.rollout.anchors} features={'shard' if cfg.rollout.store_features else 'recomputed'}")
+    print(f"  loss: {cfg.training.loss} combine={cfg.training.combine} rejected_decay={cfg.training.rejected_decay} "
+          f"lr={cfg.training.learning_rate} {cfg.training.lr_scheduler} warmup_ratio={cfg.training.warmup_ratio}")
+    print(f"  initial drafter: {cfg.draft.path}; output: {cfg.output.dir}")
+    world = planned_world_size()
+    sched = per_rank_schedule(plan, world)
+    print(f"  per rank ({world} ranks): {sched['rollout_prompts_per_iteration']} rollout prompts per iteration, "
+          f"{sched['sequences_per_step']} sequences per optimizer step, {sched['total_steps']} steps "
+          f"({sched['steps_per_iteration']} per iteration)")
+    mem = estimate_rank_memory(cfg, tconf, world)
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    print(f"  peak GPU memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
+          f"{mem['blocks_per_forward']} per forward):")
+    print(f"    trainer   {gib(mem['trainer_peak']):>10}  = target {gib(mem['target_weights'])} + drafter state "
+          f"{gib(mem['drafter_state'])} + sequence {gib(mem['sequence_inputs'])} + replay activations "
+          f"{gib(mem['replay_activations'])} + mask {gib(mem['replay_mask'])} + lm_head/KL chunk {gib(mem['kl_chunk'])}")
+    if mem["recompute_peak"] is not None:
+        print(f"    recompute {gib(mem['recompute_peak']):>10}  = target + drafter state + sequence + KV cache "
+              f"{gib(mem['recompute_kv_cache'])} + activations {gib(mem['recompute_activations'])} + mask "
+              f"{gib(mem['recompute_mask'])} + lm_head chunk {gib(mem['recompute_lm_head'])}")
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# rollout phase
+
+
+def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: dict, drafter_step: int,
+                  drafter_dir: Optional[str] = None) -> dict:
+    """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip batches already written.
+
+    ``rollout.backend`` sglang_verify / sglang_native go through ``sglang.rollout_backend``
+    (native mode launches the server with ``drafter_dir``, this iteration's drafter).
+    Returns stats of the batches rolled out now plus those found done:
+    sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs.
+    """
+    from tqdm import tqdm
+
+    from specforge_opd.rollout.shards import ShardWriter, read_shards, written_sample_ids
+
+    writer = ShardWriter(shard_dir, meta)
+    done = written_sample_ids(shard_dir)
+    todo = [p for p in prompts if p[0] not in done]
+    bs = cfg.rollout.batch_size
+    t0 = time.perf_counter()
+    new_tokens = 0
+    rank, _ = _rank_world()
+    if cfg.rollout.backend != "embedded":
+        from specforge_opd.sglang.rollout_backend import sglang_rollout
+
+        sglang_rollout(cfg, bundle, engine.drafter, todo, writer, drafter_step=drafter_step, draft_path=drafter_dir,
+                       out_dir=shard_dir)
+        todo = []
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq", disable=rank != 0, dynamic_ncols=True)
+    from specforge_opd.rollout.engine import length_batches
+
+    for idx in length_batches([len(p) for _, p in todo], bs):
+        chunk = [todo[i] for i in idx]
+        recs = engine.generate([p for _, p in chunk], [s for s, _ in chunk], drafter_step=drafter_step)
+        if recs:
+            writer.write(recs)
+        new_tokens += sum(r.completion_tokens for r in recs)
+        bar.update(len(chunk))
+        bar.set_postfix(tau=f"{tau_of(recs):.2f}" if recs else "-")
+    bar.close()
+    seconds = time.perf_counter() - t0
+    # Stats over everything in the spool (resumed batches included), without features.
+    recs = list(read_shards(shard_dir))
+    ledger = FlopsLedger()
+    tcfg = bundle.model.config
+    for r in recs:
+        ledger.target_rollout += rollout_target_flops(tcfg, prompt_len=r.prompt_len, anchors=r.anchors.tolist(), block_size=r.block_size)
+    return {
+        "sequences": len(recs),
+        "completion_tokens": sum(r.completion_tokens for r in recs),
+        "verify_steps": sum(r.num_blocks for r in recs),
+        "tau": tau_of(recs),
+        "histogram": accepted_histogram(recs, recs[0].block_size) if recs else [],
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds > 0 and new_tokens else None,
+        "skipped_too_long": len(getattr(engine, "skipped", []) or []),
+        "target_rollout_flops": ledger.target_rollout,
+    }
+
+
+# ---------------------------------------------------------------------------
+# the loop
+
+
+def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[str, list[int]]]] = None,
+            fault: Optional[str] = None) -> Path:
+    """Run (or resume) the whole OPD stage; returns the final drafter directory.
+
+    Args:
+        target: a loaded ``TargetBundle`` (None: ``target.load_target(cfg.target)``).
+        prompts: the prompt pool as (id, token ids) (None: ``data`` sources rendered
+            with the target's chat template, as SFT capture and evaluation render them).
+        fault: tests only: ``"rollout:N"`` raises after N rollout batches of the first
+            iteration run now; ``"train:N"`` after N optimizer steps.
+    Raises:
+        PlanError: the plan cannot run (spool budget, schedule).
+        and whatever the rollout, shards and trainer raise on bad input.
+    """
+    from specforge_opd.data.chat import render_prompt
+    from specforge_opd.models.drafter import check_target_dtype, drafter_layer_ids, drafter_mask_token_id, load_any_drafter, read_drafter_metadata
+    from specforge_opd.rollout.engine import SpeculativeEngine
+    from specforge_opd.models.target import load_target
+    from specforge_opd.train.trainer import distill
+
+    cfg = bind_rank_device(cfg)
+    rank, world = _rank_world()
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bundle = target if target is not None else load_target(cfg.target)
+    tok = bundle.tokenizer
+    if prompts is None:
+        pool, pool_stats = _pool(cfg, tokenizer=tok)
+        # Rendered once: the same chat rendering as SFT capture and evaluation.
+        prompts = [(str(p.id), tok(render_prompt(tok, p.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt),
+                                   add_special_tokens=False)["input_ids"]) for p in pool]
+    else:
+        pool_stats = "given by the caller"
+    tconf = getattr(bundle.model.config, "text_config", bundle.model.config)
+    plan = make_plan(cfg, len(prompts), int(tconf.hidden_size), captured_layers(cfg))
+    if cfg.training.batch_size * cfg.training.accumulation_steps * world != cfg.opd.prompts_per_step:
+        # one optimizer step per prompts_per_step prompts: derive accumulation from it
+        per_rank = cfg.opd.prompts_per_step // world
+        if per_rank * world != cfg.opd.prompts_per_step:
+            raise PlanError(f"opd.prompts_per_step={cfg.opd.prompts_per_step} is not divisible by the {world} ranks")
+        cfg = cfg.model_copy(deep=True)
+        cfg.training.batch_size = 1
+        cfg.training.accumulation_steps = per_rank
+    state_path = out / STATE_FILE
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {
+        "iterations_done": 0,
+        "drafter": str(cfg.resolve_path(cfg.draft.path)) if cfg.draft.path else None,
+        "plan": plan.as_dict(),
+        "flops": FlopsLedger().to_dict(),
+        "history": [],
+    }
+    if state["drafter"] is None:
+        raise PlanError("draft.path is not set: the OPD stage starts from the SFT stage's export or another DFlash/SpecForge drafter")
+    source = str(cfg.resolve_path(cfg.draft.path))
+    started_from = state.get("source") or (read_drafter_metadata(out / "initial_drafter").get("source")
+                                           if state["iterations_done"] else None)
+    if started_from is not None and started_from != source:
+        # resuming would continue (or call finished) a run that started from another drafter
+        raise PlanError(f"{state_path} belongs to a run that started from {started_from}, but draft.path is {source}; "
+                        "use a fresh output.dir, or set draft.path back to resume it")
+    state.setdefault("source", source)
+    if cfg.rollout.backend == "sglang_native" and cfg.sglang.urls:
+        raise PlanError(
+            "rollout.backend=sglang_native with sglang.urls: a given server keeps the drafter it was started with, so "
+            "each iteration's new drafter could not reach it; leave sglang.urls empty and the launcher restarts "
+            "SGLang with every iteration's drafter"
+        )
+    if state["iterations_done"] == 0 and rank == 0:
+        # Any accepted checkpoint form (SpecForge step dir, exports, published DFlash) becomes
+        # one HF directory, checked against the target once, before any rollout.
+        from specforge_opd.models.drafter import save_drafter
+
+        src = state["drafter"]
+        init = load_any_drafter(src, bundle.model.config, expected_mask_token_id=cfg.draft.mask_token_id,
+                                target_dtype=cfg.target.dtype)
+        meta = read_drafter_metadata(src) if Path(src).is_dir() else {}
+        check_target_dtype(meta, cfg.target.dtype, src)
+        save_drafter(init, out / "initial_drafter", metadata=dict(meta, source=str(src)), dtype=cfg.target.dtype)
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.barrier()
+    if state["iterations_done"] == 0:
+        state["drafter"] = str(out / "initial_drafter")
+    if state.get("plan", {}).get("total_steps") != plan.total_steps:
+        raise PlanError(
+            f"{state_path} was written for another plan ({state.get('plan')}); rerun with the same config, or a fresh output.dir"
+        )
+    if rank == 0:
+        print(f"OPD: {plan.iterations} iterations x {plan.steps_per_iteration} steps ({plan.total_steps} total), pool {len(prompts)} prompts "
+              f"({pool_stats}); resuming at iteration {state['iterations_done']}", file=sys.stderr)
+    spool_root = Path(cfg.opd.spool_dir) if cfg.opd.spool_dir else out / "spool"
+    initial_drafter = out / "initial_drafter"
+    initial_meta = read_drafter_metadata(initial_drafter)
+    flops = FlopsLedger.from_dict(state["flops"])
+    tb = _tensorboard(cfg, out) if rank == 0 else None
+
+    for it in range(state["iterations_done"], plan.iterations):
+        it_dir = out / f"iter_{it:03d}"
+        shard_dir = spool_root / f"iter_{it:03d}" / (f"rank{rank}" if world > 1 else "")
+        drafter_dir = state["drafter"]
+        drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
+        drafter_step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+        # -- 1. rollout ------------------------------------------------------
+        idx = iteration_prompt_indices(plan, it, cfg.data.seed)
+        mine = [(f"{prompts[i][0]}#g{it * plan.prompts_per_iteration + j}", prompts[i][1]) for j, i in enumerate(idx)][rank::world]
+        engine = SpeculativeEngine(
+            bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
+            max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
+        )
+        if fault and fault.startswith("rollout:"):
+            engine = _FaultyEngine(engine, int(fault.split(":")[1]))
+        meta = {
+            "target_identity": bundle.identity, "drafter_identity": str(drafter_dir), "drafter_step": drafter_step,
+            "block_size": int(drafter.block_size), "target_layer_ids": drafter_layer_ids(drafter),
+            "mask_token_id": drafter_mask_token_id(drafter), "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+            "top_k": cfg.rollout.top_k, "seed": cfg.rollout.seed + it, "teacher": cfg.rollout.teacher,
+            "anchors": cfg.rollout.anchors, "features": cfg.rollout.store_features, "thinking": cfg.target.thinking,
+            "iteration": it, "target_dtype": cfg.target.dtype,
+        }
+        rcfg = cfg.model_copy(deep=True)
+        rcfg.rollout.seed = cfg.rollout.seed + it
+        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir)
+        del engine, drafter
+        if world > 1:
+            dist.barrier()
+        spool_bytes = dir_bytes(spool_root)
+        # -- 2. train --------------------------------------------------------
+        shard_dirs = sorted({p.parent for p in (spool_root / f"iter_{it:03d}").rglob("manifest.json")})
+        tcfg = cfg.model_copy(deep=True)
+        tcfg.training.num_epochs = 1
+        prev_ckpt = out / f"iter_{it - 1:03d}" / "train" / "checkpoints" if it > 0 else None
+        t0 = time.perf_counter()
+        res = distill(
+            tcfg, shard_dirs, drafter_dir, it_dir / "train", target=bundle,
+            schedule=(it * plan.steps_per_iteration, plan.total_steps), carry_from=prev_ckpt,
+            fault_after_steps=int(fault.split(":")[1]) if fault and fault.startswith("train:") else None,
+        )
+        train_seconds = time.perf_counter() - t0
+        # -- 3. bookkeeping --------------------------------------------------
+        # distill records the drafter-side FLOPs of the steps it trained; the rollout adds the target's
+        it_flops = FlopsLedger.from_dict(read_drafter_metadata(res.export_dir).get("flops"))
+        it_flops.target_rollout += ro.pop("target_rollout_flops")
+        flops = flops.add(it_flops)
+        # "flops": the drafter's whole history (initial drafter + this stage), comparable with a
+        # continued-SFT drafter's ledger; "opd_flops": this stage alone (what a matched baseline spends).
+        cumulative = FlopsLedger.from_dict(initial_meta.get("flops")).add(flops)
+        _stamp_metadata(res.export_dir, {"flops": cumulative.to_dict(), "opd_flops": flops.to_dict(), "opd_iteration": it,
+                                         "initial_drafter": str(initial_drafter), "initial_flops": initial_meta.get("flops")})
+        row = {
+            "iteration": it,
+            "drafter_step": drafter_step,
+            "rollout_tau": ro["tau"],
+            "rollout_sequences": ro["sequences"],
+            "rollout_completion_tokens": ro["completion_tokens"],
+            "rollout_verify_steps": ro["verify_steps"],
+            "rollout_histogram": ro["histogram"],
+            "rollout_tokens_per_s": ro["tokens_per_s"],
+            "rollout_seconds": ro["seconds"],
+            "train_steps": res.steps_run,
+            "train_seconds": train_seconds,
+            "train_positions_per_s": res.last_metrics.get("positions_per_s"),
+            "loss": res.last_metrics.get("loss"),
+            "L_acc": res.last_metrics.get("L_acc"),
+            "L_rej": res.last_metrics.get("L_rej"),
+            "accepted_fraction": res.last_metrics.get("accepted_fraction"),
+            "policy_lag": res.last_metrics.get("policy_lag"),
+            "spool_bytes": spool_bytes,
+            "output_bytes": dir_bytes(out),
+            "flops": flops.to_dict(),
+        }
+        if rank == 0:
+            with open(out / "opd_metrics.jsonl", "a") as f:
+                f.write(json.dumps(row, default=float) + "\n")
+            if tb is not None:
+                for k, v in row.items():
+                    if isinstance(v, (int, float)) and v is not None:
+                        tb.add_scalar(f"opd/{k}", v, it)
+                tb.flush()
+            print(f"[iter {it + 1}/{plan.iterations}] rollout tau={ro['tau']:.3f} ({ro['sequences']} seq, "
+                  f"{ro['tokens_per_s'] or 0:.1f} tok/s) | train {res.steps_run} steps, loss={row['loss']} "
+                  f"L_acc={row['L_acc']} L_rej={row['L_rej']} | spool {spool_bytes / 2**20:.1f} MiB", file=sys.stderr)
+            if not cfg.opd.keep_shards:
+                shutil.rmtree(spool_root / f"iter_{it:03d}", ignore_errors=True)
+            # previous iteration's training checkpoints are no longer needed once this one is done
+            if it > 0:
+                shutil.rmtree(out / f"iter_{it - 1:03d}" / "train" / "checkpoints", ignore_errors=True)
+            state.update(iterations_done=it + 1, drafter=str(res.export_dir), flops=flops.to_dict())
+            state["history"].append({k: row[k] for k in ("iteration", "rollout_tau", "loss", "L_acc", "L_rej")})
+            atomic_write_json(state_path, state)
+        if world > 1:
+            dist.barrier()
+            state = json.loads(state_path.read_text())
+
+    final = out / "final"
+    if rank == 0:
+        if state["iterations_done"] == 0:
+            raise PlanError("no OPD iteration ran")
+        tmp = out / ".final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(state["drafter"], tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        write_report(out)
+        if tb is not None:
+            tb.close()
+    return final
+
+
+class _FaultyEngine:
+    """Wraps the engine to raise after N batches (resume tests)."""
+
+    def __init__(self, engine, n):
+        self.engine, self.n, self.skipped, self.drafter = engine, n, [], engine.drafter
+
+    def generate(self, *a, **k):
+        from specforge_opd.train.trainer import InjectedFault
+
+        if self.n <= 0:
+            raise InjectedFault("injected fault in the rollout phase")
+        self.n -= 1
+        return self.engine.generate(*a, **k)
+
+
+def _stamp_metadata(drafter_dir: Path, extra: dict) -> None:
+    from specforge_opd.models.drafter import METADATA_FILE
+
+    p = Path(drafter_dir) / METADATA_FILE
+    meta = json.loads(p.read_text()) if p.is_file() else {}
+    meta.update(extra)
+    atomic_write_json(p, meta)
+
+
+def _tensorboard(cfg, out: Path):
+    if not cfg.output.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard" / "opd"))
+
+
+def write_report(out: Path) -> Path:
+    """``report.md`` and ``tau_per_iteration.png`` from ``opd_metrics.jsonl``."""
+    rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines() if l.strip()]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["iteration"] + 1 for r in rows], [r["rollout_tau"] for r in rows], marker="o")
+    ax.set_xlabel("OPD iteration")
+    ax.set_ylabel("on-policy rollout tau")
+    ax.set_title("Accepted length of the current drafter per iteration")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "tau_per_iteration.png", dpi=120)
+    plt.close(fig)
+    lines = [
+        "# OPD report",
+        "",
+        "Rollout tau is measured on-policy: the drafter of the previous iteration decodes this iteration's prompts.",
+        "",
+        "| iter | rollout tau | seqs | rollout tok/s | train steps | loss | L_acc | L_rej | accepted frac | spool MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(x, fmt="{:.4f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for r in rows:
+        lines.append(
+            f"| {r['iteration'] + 1} | {r['rollout_tau']:.3f} | {r['rollout_sequences']} | {f(r['rollout_tokens_per_s'], '{:.1f}')} | "
+            f"{r['train_steps']} | {f(r['loss'])} | {f(r['L_acc'])} | {f(r['L_rej'])} | {f(r['accepted_fraction'], '{:.3f}')} | "
+            f"{r['spool_bytes'] / 2**20:.1f} |"
+        )
+    last = rows[-1]["flops"]
+    lines += ["", f"Drafter-training FLOPs of the OPD stage: {last['drafter_budget']:.3e} (teacher lm_head included); "
+              f"target rollout FLOPs: {last['target_rollout']:.3e}.", "", "![tau per iteration](tau_per_iteration.png)", ""]
+    p = out / "report.md"
+    p.write_text("\n".join(lines))
+    return p
+
+
+def cli(argv: list[str]) -> int:
+    """``specforge-opd opd -c CFG [overrides] [--dry-run] [--out DIR]``."""
+    from specforge_opd.cli import experiment_parser, parse_experiment
+
+    p = experiment_parser("opd", "the iterated OPD stage: rollout -> shards -> distill -> export, repeated")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (schedule, spool, drafter) and exit")
+    p.add_argument("--drafter", help="shorthand for draft.path (initial drafter)")
+    args, cfg = parse_experiment(p, argv, lambda a: {"draft.path": a.drafter})
+    if args.dry_run:
+        dry_run(cfg)
+        return 0
+    final = run_opd(cfg)
+    if _rank_world()[0] == 0:
+        print(f"OPD done: final drafter {final}; report {Path(cfg.output.dir) / 'report.md'}")
+    return 0

@@ -1,0 +1,420 @@
+"""The SFT stage on SpecForge: responses -> features -> train -> export.
+
+``specforge-opd sft -c configs/<exp>/sft.yaml`` trains a DFlash drafter with
+SpecForge's own DFlash SFT trainer on the target's own responses; ``_run_sft``
+reads top to bottom as the four steps, each in its own module:
+
+1. **responses** (``responses``): training prompts (``prompts.training_pool``)
+   rendered with the target's chat template (``prompts.tokenize_prompts``, the
+   rendering rollout and benchmarks use) and answered by the target, greedy or
+   sampled (``sft.temperature``); JSONL chunks of token ids.
+2. **features** (``sft_features``): the target runs over prompt + response; each
+   kept sample is a SpecForge offline DFlash feature file, plus our ``manifest.json``.
+3. **train** (``sft_train``): a SpecForge run YAML (strategy dflash, offline
+   features) and ``python -m specforge.cli train -c run.yaml`` as a subprocess,
+   resumed from its ``-latest`` checkpoint when one exists; with ``sft.val_prompts``
+   in segments with a validation point after each.
+4. **export**: the final SpecForge checkpoint, read with
+   ``torch.load(weights_only=True)`` (``drafter.load_specforge_checkpoint``), exported
+   by ``drafter.save_drafter`` to ``<output.dir>/final`` and verified
+   (``export_check.verify_export``): reloaded, and a short speculative decode must
+   equal greedy target decoding.
+
+Every step writes into a directory named by a hash of its inputs and a
+``DONE.json`` marker last (``stepkeys``), so a rerun skips finished steps, a changed
+input redoes only what depends on it, and a killed run resumes by chunk / by sample /
+from SpecForge's checkpoint without duplicating samples.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from specforge_opd.atomic import atomic_write_bytes, atomic_write_json
+from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.models.draft_config import draft_config_dict, make_draft_config, resolve_mask_token_id
+from specforge_opd.models.export_check import verify_export
+from specforge_opd.eval.flops import FlopsLedger, sft_flops
+from specforge_opd.stages.plan import estimate_sft
+from specforge_opd.data.prompts import prompt_limit, tokenize_prompts
+from specforge_opd.rollout.responses import read_responses, run_responses
+from specforge_opd.stages.sft_features import MIN_SUPERVISED_TOKENS, drafter_dtype, run_features
+from specforge_opd.stages.sft_train import (
+    _publish_launch,
+    follow_node0,
+    gpu_count,
+    nodes_from_env,
+    on_gpu,
+    run_train,
+    run_train_validated,
+    sft_training_inputs,
+    specforge_run_config,
+)
+from specforge_opd.stepkeys import (  # noqa: F401  (SFTError: the stage's error, raised by every step)
+    SFTError,
+    dir_bytes,
+    hash_inputs,
+    keyed_step,
+    read_marker_stats,
+    reusable_step,
+    step_dir,
+    target_key,
+)
+from specforge_opd.models.target import target_dir
+
+#: The stage's steps, in order (``sft_report.json`` lists the ones a rerun skipped).
+STEPS = ("responses", "features", "train", "export")
+
+
+# ---------------------------------------------------------------------------
+# the stage
+
+
+@dataclass
+class SFTInputs:
+    """What ``run_sft`` works on; tests pass their own (tiny target, own prompts)."""
+
+    bundle_loader: Callable[[], Any]
+    target_path: str
+    prompts: Optional[Sequence] = None
+    timings: dict = field(default_factory=dict)
+
+
+def _load_bundle(cfg: ExperimentConfig):
+    from specforge_opd.models.target import load_target
+
+    return load_target(cfg.target)
+
+
+def _load_prompts(cfg: ExperimentConfig) -> list:
+    from specforge_opd.data.prompts import training_pool
+
+    pool = list(training_pool(cfg.data))
+    return pool[: cfg.data.num_prompts] if cfg.data.num_prompts is not None else pool
+
+
+def _load_val_prompts(cfg: ExperimentConfig) -> list:
+    """``sft.val_prompts`` records of the training pool right after the ``data.num_prompts`` SFT trains on.
+
+    Raises:
+        SFTError: ``data.num_prompts`` is unset (the whole pool trains), or the pool has no prompt left.
+    """
+    from specforge_opd.data.prompts import training_pool
+
+    if cfg.data.num_prompts is None:
+        raise SFTError("sft.val_prompts needs data.num_prompts: validation prompts come from the pool after the ones SFT trains on")
+    # the pool is shuffled with data.seed and then capped, so a larger cap keeps the trained prompts first
+    n = cfg.data.num_prompts
+    pool = list(training_pool(cfg.data.model_copy(update={"num_prompts": n + cfg.sft.val_prompts})))
+    val = pool[n: n + cfg.sft.val_prompts]
+    if not val:
+        raise SFTError(f"sft.val_prompts={cfg.sft.val_prompts}: the pool has no prompt after data.num_prompts="
+                       f"{cfg.data.num_prompts}; lower data.num_prompts or add data slices")
+    return val
+
+
+def run_sft(cfg: ExperimentConfig, **kwargs) -> Path:
+    """Run the SFT stage end to end on this node (``_run_sft``: arguments, outputs, errors).
+
+    With ``NNODES`` > 1 (``nodes_from_env``) every node runs this: node 0 runs the stage,
+    the others join its SpecForge training (``follow_node0``); ``output.dir`` must be on a
+    filesystem every node sees. Returns ``<output.dir>/final``.
+
+    Raises:
+        SFTError, ConfigError, DrafterError: with the step and the fix named.
+    """
+    nodes = nodes_from_env()
+    if nodes.nnodes == 1:
+        return _run_sft(cfg, **kwargs)
+    if not on_gpu(cfg):
+        raise SFTError(f"NNODES={nodes.nnodes}: a multi-node SFT needs GPUs (target.device); run it on one node on a CPU")
+    if cfg.sft.plateau_patience:
+        # node 0 decides alone when the plateau stops training; the others could not know
+        raise SFTError(f"NNODES={nodes.nnodes} with sft.plateau_patience={cfg.sft.plateau_patience}: set "
+                       "sft.plateau_patience=0 (and sft.max_steps) for a multi-node SFT")
+    out = Path(cfg.resolve_path(cfg.output.dir))
+    if nodes.node_rank > 0:
+        return follow_node0(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        final = _run_sft(cfg, **kwargs)
+    except BaseException as e:
+        _publish_launch(out, end=True, error=f"{type(e).__name__}: {e}"[:500])
+        raise
+    _publish_launch(out, end=True)
+    return final
+
+
+def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
+             target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None,
+             max_steps_for: Optional[Callable[[list], int]] = None) -> Path:
+    """Run the SFT stage end to end; returns the exported HF DFlash directory ``<output.dir>/final``.
+
+    ``bundle`` (a ``TargetBundle``-like object with ``model``, ``tokenizer``,
+    ``stop_token_ids``), ``prompts`` (``PromptRecord``-like) and ``target_path``
+    (HF directory SpecForge loads the target embedding / lm_head / tokenizer
+    from) default to ``target.load_target``, ``prompts.training_pool`` and
+    ``target_dir(cfg)``; ``val_prompts`` (records, with ``sft.val_prompts`` > 0)
+    defaults to the pool's prompts after the trained ones. ``max_steps_for``, given the
+    finished responses (``ResponseRecord`` list), sets ``sft.max_steps`` before training:
+    a budget that depends on the data (the matched-FLOPs baseline). Writes ``<output.dir>/sft_report.json`` (wall time per
+    step, disk used, the export check's tau).
+
+    Raises:
+        SFTError, ConfigError, DrafterError: with the step and the fix named.
+    """
+    out = Path(cfg.resolve_path(cfg.output.dir))
+    out.mkdir(parents=True, exist_ok=True)
+    tpath = target_path or target_dir(cfg)
+    timings: dict[str, float] = {}
+    skipped: list[str] = []
+    cache: dict[str, Any] = {"bundle": bundle}
+
+    def get_bundle():
+        if cache["bundle"] is None:
+            print("[sft] loading target", flush=True)
+            cache["bundle"] = _load_bundle(cfg)
+        return cache["bundle"]
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    target_config = get_bundle().model.config if bundle is not None else AutoConfig.from_pretrained(tpath)
+    tokenizer = bundle.tokenizer if bundle is not None else AutoTokenizer.from_pretrained(tpath)
+    mask = resolve_mask_token_id(cfg, target_config, tokenizer)
+    dcfg = make_draft_config(cfg, target_config, mask)
+    layer_ids = [int(i) for i in dcfg.dflash_config["target_layer_ids"]]
+    tid = target_key(tpath)
+
+    # -- responses
+    t0 = time.time()
+    records_in = list(prompts) if prompts is not None else _load_prompts(cfg)
+    if not records_in:
+        raise SFTError("sft responses: the training prompt pool is empty (check data.train_sources and data.slices)")
+    tokenized, too_long = tokenize_prompts(records_in, tokenizer, cfg)
+    if not tokenized:
+        raise SFTError(f"sft responses: all {len(records_in)} prompts are longer than {prompt_limit(cfg)} tokens")
+    r_inputs = {"target": tid, "prompts": hash_inputs({"p": tokenized}), "n": len(tokenized),
+                "temperature": cfg.sft.temperature, "max_new_tokens": cfg.sft.max_new_tokens,
+                "chunk": cfg.sft.chunk_prompts, "seed": cfg.data.seed, "stop": list(cfg.target.stop_token_ids),
+                "backend": cfg.rollout.backend}
+    r_key = hash_inputs(r_inputs)
+    r_dir = reusable_step(cfg, out, "responses", r_key)
+    keyed_step("responses", r_dir, r_key, r_inputs,
+               lambda: dict(run_responses(r_dir, tokenized, get_bundle(), cfg), prompts_too_long_skipped=too_long), skipped)
+    timings["responses"] = time.time() - t0
+    if max_steps_for is not None:
+        steps = int(max_steps_for(read_responses(r_dir)))
+        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"max_steps": steps})})
+
+    # -- features
+    t0 = time.time()
+    f_inputs = {"responses": r_key, "target": tid, "layer_ids": layer_ids, "max_context": cfg.target.max_context,
+                "dtype": drafter_dtype(cfg)}
+    f_key = hash_inputs(f_inputs)
+    f_dir = reusable_step(cfg, out, "features", f_key)
+    keyed_step("features", f_dir, f_key, f_inputs,
+               lambda: run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg), skipped)
+    n_samples = read_marker_stats(f_dir)["samples"]
+    timings["features"] = time.time() - t0
+
+    # -- train
+    t0 = time.time()
+    gpus = gpu_count() if on_gpu(cfg) else 0
+    dcfg_dict = draft_config_dict(dcfg)
+    t_inputs = {"features": f_key, "draft": dcfg_dict, "training": sft_training_inputs(cfg),
+                "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus,
+                "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
+    nodes = nodes_from_env()
+    if nodes.nnodes > 1:  # the step counts change with the ranks (one node keeps its earlier keys)
+        t_inputs["nnodes"] = nodes.nnodes
+    val_tok: list = []
+    if cfg.sft.val_prompts:
+        val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg)
+        val_tok, _ = tokenize_prompts(val_recs, tokenizer, cfg)
+        if not val_tok:
+            raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {prompt_limit(cfg)} tokens")
+        t_inputs["validation"] = {"prompts": hash_inputs({"p": val_tok}), "interval": cfg.sft.val_interval,
+                                  "select": cfg.sft.select}
+    t_key = hash_inputs(t_inputs)
+    t_dir = step_dir(out, "train", t_key)
+
+    def train() -> dict:
+        dfile = t_dir / "draft_config" / "config.json"
+        text = json.dumps(dcfg_dict, indent=2, sort_keys=True) + "\n"
+        # SpecForge's resume contract hashes this file: rewrite only when it changed.
+        if not dfile.is_file() or dfile.read_text() != text:
+            atomic_write_bytes(dfile, text.encode())
+        run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
+                                   out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus,
+                                   nodes=nodes)
+        if not val_tok:
+            return run_train(t_dir, run, cfg, gpus)
+        from specforge_opd.eval.validation import ValidationSet
+
+        b = get_bundle()
+        valset = ValidationSet(b.model, tid, [p for _, p in val_tok], max_new_tokens=cfg.sft.max_new_tokens,
+                               stop_token_ids=list(b.stop_token_ids), cache_dir=out / "val_trajectories")
+        responses = read_responses(r_dir)
+        init = (FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops"))
+                if cfg.sft.init_drafter else FlopsLedger())
+
+        def flops_at(step: int) -> float:
+            here = sft_flops(cfg, dcfg, target_config, responses, steps=step,
+                             captured_here=r_dir.resolve().is_relative_to(out.resolve()))
+            return init.add(here).drafter_budget
+
+        # segment ends count the steps of every rank on every node
+        return run_train_validated(t_dir, run, cfg, gpus * nodes.nnodes, num_samples=n_samples, valset=valset, target_config=target_config,
+                                   flops_at=flops_at, tensorboard_dir=out / "tensorboard" if cfg.output.tensorboard else None,
+                                   plot_path=out / "sft_curve.png")
+
+    from specforge_opd.models.drafter import load_specforge_checkpoint, read_drafter_metadata, save_drafter
+
+    train_stats = keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
+    ckpt = Path(train_stats["checkpoint"])
+    chosen = train_stats.get("selected")
+    timings["train"] = time.time() - t0
+
+    # -- export
+    t0 = time.time()
+
+    final = out / "final"
+    meta = read_drafter_metadata(final) if final.is_dir() else {}
+    if (meta.get("sft_key") == t_key and meta.get("verify") is not None
+            and (chosen is None or meta.get("step") == chosen["step"])):
+        skipped.append("export")
+        verify = meta["verify"]
+        print(f"[sft export] done already: {final}", flush=True)
+    else:
+        if chosen is not None:  # the validated checkpoint, exported before SpecForge could prune it
+            from specforge_opd.models.drafter import load_drafter
+
+            model = load_drafter(chosen["export"], target_config=target_config, target_dtype=cfg.target.dtype)
+            ckpt = Path(chosen["checkpoint"])
+        else:
+            model = load_specforge_checkpoint(ckpt, target_config)
+        b = get_bundle()
+        held = [p for _, p in tokenized[-cfg.sft.verify_prompts:]] if cfg.sft.verify_prompts else []
+        verify = verify_export(model, b.model, held, list(b.stop_token_ids), cfg.sft.verify_max_new_tokens)
+        if verify["prompts"]:
+            print(f"[sft export] speculative decode == greedy on {verify['prompts']} prompts; tau {verify['tau']:.3f}",
+                  flush=True)
+        else:
+            print("[sft export] lossless check skipped (sft.verify_prompts=0)", flush=True)
+        responses = read_responses(r_dir)
+        step = int(chosen["step"] if chosen is not None else train_stats["step"])
+        ledger = sft_flops(cfg, dcfg, target_config, responses, steps=step,
+                           captured_here=r_dir.resolve().is_relative_to(out.resolve()))
+        if cfg.sft.init_drafter:
+            ledger = FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops")).add(ledger)
+        save_drafter(model, final, metadata={"stage": "sft", "sft_key": t_key, "specforge_checkpoint": str(ckpt),
+                                             "target": tpath, "target_identity": tid, "target_dtype": cfg.target.dtype,
+                                             "samples": n_samples,
+                                             "step": step, "verify": verify,
+                                             "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict(),
+                                             "validation": None if chosen is None else {
+                                                 "select": cfg.sft.select, "selected_step": step,
+                                                 "selected_tau": chosen["tau"], "curve": train_stats["curve"],
+                                                 "val_prompts": len(val_tok),
+                                                 "plateau_step": train_stats.get("plateau_step"),
+                                                 "paused_at": train_stats.get("paused_at")}},
+                     dtype=cfg.target.dtype)
+        from specforge_opd.models.drafter import load_drafter
+
+        load_drafter(final, target_config=target_config, target_dtype=cfg.target.dtype)  # the export must load back through the public loader
+    timings["export"] = time.time() - t0
+
+    report = {"final": str(final), "timings_s": timings, "skipped": skipped, "verify": verify,
+              "validation": None if chosen is None else {"selected": chosen, "curve": train_stats["curve"]},
+              "disk_bytes": {d.name: dir_bytes(d) for d in (r_dir, f_dir, t_dir, final)}}
+    report["disk_bytes"]["total"] = dir_bytes(out)
+    atomic_write_json(out / "sft_report.json", report)
+    print(f"[sft] done: {final} | " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items())
+          + f" | disk {report['disk_bytes']['total'] / 2**20:.1f} MiB", flush=True)
+    return final
+
+
+# ---------------------------------------------------------------------------
+# --dry-run
+
+
+def _plan_target_config(cfg: ExperimentConfig):
+    """The target's HF config without loading weights: a local dir, the embedded target, or a Qwen3 fixture."""
+    from transformers import AutoConfig
+
+    if cfg.target.path is not None:
+        p = cfg.resolve_path(cfg.target.path)
+        if p is not None and (p / "config.json").is_file():
+            return AutoConfig.from_pretrained(str(p)), str(p)
+        m = re.search(r"qwen3-(\d+b(?:-a\d+b)?)", cfg.target.path.lower())
+        if m:
+            from specforge_opd.data import assets
+
+            fx = assets.qwen3_fixture_dir(m.group(1))
+            if not (fx / "config.json").is_file():
+                raise ConfigError(f"dry run of target.path={cfg.target.path!r} needs the Qwen3 config fixture "
+                                  f"{fx}/config.json, which is missing (reinstall the package)")
+            return AutoConfig.from_pretrained(str(fx)), f"{cfg.target.path} (config fixture {fx})"
+        raise ConfigError(f"target.path={cfg.target.path!r} is neither a local HF directory nor a known Qwen3 size "
+                          "(dry run reads the config only)")
+    d = target_dir(cfg)
+    return AutoConfig.from_pretrained(d), d
+
+
+def dry_run(cfg: ExperimentConfig) -> dict:
+    """Print every step, the draft config and the estimates; loads no weights."""
+    tconf, where = _plan_target_config(cfg)
+    mask = resolve_mask_token_id(cfg, tconf, None)
+    dcfg = make_draft_config(cfg, tconf, mask)
+    n = cfg.data.num_prompts
+    est = estimate_sft(cfg, tconf, dcfg, n)
+    gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    out = cfg.resolve_path(cfg.output.dir)
+    print(f"SFT stage plan for {cfg.name} (dry run: no weights loaded)")
+    print(f"  target: {where}")
+    print(f"  prompts: {n if n is not None else 'the whole pool'} from {cfg.data.train_sources} "
+          f"(slices {cfg.data.slices} of {cfg.data.num_slices}); thinking={cfg.target.thinking}")
+    print(f"  1. responses -> {out}/responses-<key>/chunk_*.jsonl: backend {cfg.rollout.backend}, "
+          f"temperature {cfg.sft.temperature}, max_new_tokens {cfg.sft.max_new_tokens}, batch {cfg.sft.batch_size}; "
+          f"disk <= {gib(est['responses_disk_bytes_max'])}")
+    print(f"  2. features -> {out}/features-<key>/rows_*/data_*.ckpt: target layers "
+          f"{dcfg.dflash_config['target_layer_ids']}, <= {est['feature_bytes_per_sample_max'] / 2**20:.1f} MiB/sample, "
+          f"disk <= {gib(est['features_disk_bytes_max'])}; samples with < {MIN_SUPERVISED_TOKENS} response tokens dropped")
+    print(f"  3. train -> {out}/train-<key>/checkpoints: specforge train (dflash, {cfg.training.num_epochs} epochs, "
+          f"lr {cfg.training.learning_rate}, num_anchors {cfg.training.num_anchors}, batch {cfg.training.batch_size}); "
+          f"memory ~{gib(est['train_memory_bytes_per_rank'])} per rank; target weights {gib(est['target_weights_bytes'])}")
+    print(f"  4. export -> {out}/final (HF DFlash, SGLang-loadable), verified against greedy decoding "
+          f"on {cfg.sft.verify_prompts} prompts")
+    print("  draft config:")
+    print("    " + json.dumps(draft_config_dict(dcfg), sort_keys=True).replace(", \"", ",\n    \""))
+    print(f"  drafter params {est['drafter_params'] / 1e6:.1f}M; target params {est['target_params'] / 1e9:.2f}B")
+    return {"draft_config": draft_config_dict(dcfg), "estimate": est}
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+def cli(argv: list[str]) -> int:
+    """``specforge-opd sft -c CFG [section.field=value ...] [--dry-run] [--out DIR]``."""
+    from specforge_opd.cli import experiment_parser, parse_experiment
+    from specforge_opd.models.drafter import DrafterError
+
+    parser = experiment_parser("sft", "the SFT stage on SpecForge (responses, features, train, export)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, draft config and estimates; load nothing")
+    args, cfg = parse_experiment(parser, argv)
+    if args.dry_run:
+        dry_run(cfg)
+        return 0
+    try:
+        run_sft(cfg)
+    except (SFTError, DrafterError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,139 @@
+"""Feature capture for SFT: the target's hidden states over each prompt + response, in SpecForge's offline layout.
+
+Step 2 of the SFT stage. Each kept sample becomes one SpecForge offline DFlash feature
+file ``rows_<i // 1000>/data_<i>.ckpt`` = ``torch.save({input_ids [S] int64, loss_mask
+[S] int64, hidden_states [1, S, n*H]})``, ``loss_mask`` 1 exactly on response tokens,
+features at the drafter's ``target_layer_ids`` (layer k = HF ``hidden_states[k + 1]``,
+DESIGN.md section 3) in the drafter's training dtype, plus a ``manifest.json``. Files
+are written atomically one by one, so a killed capture resumes at the first missing one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from specforge_opd.atomic import atomic_write, atomic_write_json
+from specforge_opd.config import ExperimentConfig
+from specforge_opd.rollout.responses import ResponseRecord
+from specforge_opd.stepkeys import SFTError
+
+#: Feature files per ``rows_*`` directory (keeps directories listable at 100K samples).
+ROWS_PER_DIR = 1000
+
+
+#: DFlash anchors need a supervised token and a supervised successor
+#: (SpecForge's ``has_consecutive_supervised_tokens``); fewer cannot train.
+MIN_SUPERVISED_TOKENS = 2
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    import torch
+
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def feature_path(d: Path, i: int) -> Path:
+    """SpecForge offline layout: ``rows_<i // 1000>/data_<i>.ckpt`` (sorted walk order = sample order)."""
+    return d / f"rows_{i // ROWS_PER_DIR:05d}" / f"data_{i:08d}.ckpt"
+
+
+def supervised_tokens(rec: ResponseRecord, max_context: int) -> int:
+    """Response tokens left after truncation to ``max_context``: the sample's supervised token count."""
+    return max(0, min(len(rec.prompt_ids) + len(rec.response_ids), max_context) - len(rec.prompt_ids))
+
+
+def drafter_dtype(cfg: ExperimentConfig) -> str:
+    """The SFT drafter's training dtype, which is also the stored features' dtype.
+
+    ``training.mixed_precision``: "bf16" -> "bfloat16", "fp32" -> "float32",
+    "auto" -> ``target.dtype``. SpecForge's offline DFlash path feeds the stored
+    features straight into the drafter's ``fc``, so they must share its dtype.
+    """
+    mp = cfg.training.mixed_precision
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(mp, cfg.target.dtype)
+
+
+def build_feature_sample(model, rec: ResponseRecord, layer_ids: list[int], max_context: int,
+                         dtype: Optional[str] = None) -> dict:
+    """One SpecForge offline DFlash sample.
+
+    Returns ``{"input_ids": [S] int64, "loss_mask": [S] int64 (1 on response
+    tokens), "hidden_states": [1, S, len(layer_ids) * H] in ``dtype`` (default: the target's)}``,
+    S = prompt + response tokens truncated to ``max_context``; features are
+    SpecForge's ``extract_context_feature`` of HF ``hidden_states`` (layer k =
+    ``hidden_states[k + 1]``), the same call its ``spec_generate`` uses.
+    """
+    import torch
+
+    from specforge_opd.models.adapter import extract_context_feature
+
+    ids = (rec.prompt_ids + rec.response_ids)[:max_context]
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    loss_mask = torch.zeros_like(input_ids)
+    loss_mask[len(rec.prompt_ids):] = 1
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids[None].to(dev), output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    hs = extract_context_feature(out.hidden_states, layer_ids).cpu().contiguous()
+    if dtype is not None:
+        hs = hs.to(getattr(torch, dtype))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_states": hs}
+
+
+def plan_features(records: list[ResponseRecord], max_context: int) -> tuple[list[int], list[tuple[str, int]]]:
+    """Split samples into kept indices and ``(id, supervised tokens)`` of dropped ones.
+
+    A sample trains only with >= 2 supervised tokens (an empty response, a
+    response cut off by ``max_context``, or a template that marks no assistant
+    span gives fewer).
+    """
+    kept, dropped = [], []
+    for i, r in enumerate(records):
+        n = supervised_tokens(r, max_context)
+        (kept.append(i) if n >= MIN_SUPERVISED_TOKENS else dropped.append((r.id, n)))
+    return kept, dropped
+
+
+def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, layer_ids: list[int],
+                 cfg: ExperimentConfig) -> dict:
+    """Write one feature file per kept sample; an existing file (written atomically) is kept.
+
+    The i-th kept sample goes to ``feature_path(d, i)`` in response order, so a
+    resumed run never writes a sample twice. ``manifest.json`` lists counts.
+
+    Raises:
+        SFTError: no sample has >= 2 supervised tokens.
+    """
+    from tqdm import tqdm
+
+    kept, dropped = plan_features(records, cfg.target.max_context)
+    if dropped:
+        warnings.warn(
+            f"sft features: dropped {len(dropped)} of {len(records)} samples with fewer than "
+            f"{MIN_SUPERVISED_TOKENS} supervised (response) tokens, e.g. {dropped[:3]}",
+            stacklevel=2,
+        )
+    if not kept:
+        raise SFTError(
+            f"sft features: none of {len(records)} samples has >= {MIN_SUPERVISED_TOKENS} supervised tokens "
+            "(empty responses or prompts filling target.max_context); check the chat template, "
+            "sft.max_new_tokens and target.max_context"
+        )
+    model = None
+    sup = 0
+    for j, i in enumerate(tqdm(kept, desc="sft features", unit="sample")):
+        rec = records[i]
+        sup += supervised_tokens(rec, cfg.target.max_context)
+        path = feature_path(d, j)
+        if path.is_file():
+            continue
+        model = model or get_model()
+        _atomic_torch_save(build_feature_sample(model, rec, layer_ids, cfg.target.max_context, drafter_dtype(cfg)), path)
+    stats = {"samples": len(kept), "dropped": len(dropped), "dropped_ids": [x for x, _ in dropped],
+             "supervised_tokens": sup, "target_layer_ids": layer_ids, "format": "specforge_hidden_states_v1",
+             "files": [str(feature_path(d, j).relative_to(d)) for j in range(len(kept))]}
+    atomic_write_json(d / "manifest.json", stats)
+    return {k: v for k, v in stats.items() if k != "files"}
+

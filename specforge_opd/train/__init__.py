@@ -1,0 +1,1 @@
+"""The OPD trainer: the losses, teacher replay, the FSDP training loop and its checkpoints."""
