@@ -99,3 +99,30 @@ def test_distill_and_compare_accept_a_specforge_step_directory(tmp_path, forms, 
     recs = [ResponseRecord(id=f"r{i}", prompt_ids=list(range(3, 13)), response_ids=list(range(20, 40)), finished=True)
             for i in range(3)]
     assert matched_steps(sft_cfg, start, recs, 1e9) == matched_steps(sft_cfg, tmp_path / "hf2", recs, 1e9)
+
+
+@pytest.mark.parametrize("form", ["hf_dir", "published", "specforge_step_dir", "specforge_state_file",
+                                  "specforge_latest_link", "specforge_run_dir"])
+def test_sft_init_drafter_accepts_every_form(tmp_path, forms, tiny, form):
+    """``sft.init_drafter`` (what the matched-FLOPs baseline sets to OPD's ``draft.path``) reached SpecForge as it
+    was, and SpecForge starts from HF directories only; every form now gives SpecForge an HF directory of the
+    same weights."""
+    from specforge_opd.config import load_config
+    from specforge_opd.stages.sft_train import init_drafter_dir, specforge_run_config
+
+    target, drafter = tiny
+    cfg = load_config(None, [f"sft.init_drafter={forms[form]}", f"draft.mask_token_id={TINY_MASK}"])
+    d = init_drafter_dir(cfg, tmp_path / "train", target.config)
+    run = specforge_run_config(cfg, target_path="t", draft_config_file=tmp_path / "c.json", features=tmp_path,
+                               out_dir=tmp_path / "o", num_samples=8, mask_token_id=TINY_MASK, gpus=0, init_dir=d)
+    start = run["model"]["draft_checkpoint_path"]
+    assert (tmp_path / start / "config.json").is_file(), start
+    _same_weights(load_drafter(start), drafter)
+    assert init_drafter_dir(cfg, tmp_path / "train", target.config) == d  # exported once, then reused
+
+
+def test_sft_without_init_drafter_starts_fresh(tmp_path, tiny):
+    from specforge_opd.config import load_config
+    from specforge_opd.stages.sft_train import init_drafter_dir
+
+    assert init_drafter_dir(load_config(None), tmp_path, tiny[0].config) is None

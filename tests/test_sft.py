@@ -452,6 +452,30 @@ def test_pause_exports_the_best_point_so_far_and_the_same_command_continues(tmp_
     assert meta["step"] == 8 and meta["validation"]["paused_at"] is None and meta["validation"]["selected_tau"] == 1.5
 
 
+def test_a_continued_run_that_keeps_its_selected_step_updates_the_export_record(tmp_path, chat_render, monkeypatch, capfd):
+    """A paused run continued to its end selects the same step again: the weights are not re-exported, but the
+    export's validation record (curve, pause, plateau) must describe the whole run, not the pause."""
+    from specforge_opd.eval import validation
+    from specforge_opd.models.drafter import read_drafter_metadata
+
+    bundle = make_target_dir(tmp_path / "target")
+    taus = iter([1.1, 1.5, 1.2, 1.3])
+    monkeypatch.setattr(validation.ValidationSet, "tau", lambda self, drafter: next(taus))
+    over = {"sft.verify_prompts": 0, "sft.val_prompts": 2, "sft.val_interval": 2, "sft.max_steps": 8}
+    args = dict(bundle=bundle, prompts=make_prompts(8), target_path=bundle.path, val_prompts=make_prompts(2, start=20))
+    final = sft.run_sft(tiny_cfg(tmp_path / "run", **over, **{"sft.pause_at_step": 3}), **args)
+    meta = read_drafter_metadata(final)
+    assert meta["step"] == 4 and meta["validation"]["paused_at"] == 4 and len(meta["validation"]["curve"]) == 2
+    weights = (final / "model.safetensors").read_bytes()
+    sft.run_sft(tiny_cfg(tmp_path / "run", **over), **args)
+    assert "validation record brought up to step 8" in capfd.readouterr().out
+    meta = read_drafter_metadata(final)
+    assert meta["step"] == 4 and meta["validation"]["selected_step"] == 4
+    assert meta["validation"]["paused_at"] is None
+    assert [p["step"] for p in meta["validation"]["curve"]] == [2, 4, 6, 8]
+    assert (final / "model.safetensors").read_bytes() == weights
+
+
 def test_train_key_covers_the_fields_specforge_reads_and_only_those(tmp_path):
     """The SFT train step's key holds every training.* field specforge_run_config reads, so changing one retrains;
     a training field only the OPD trainer reads (an added one included) leaves finished SFT runs valid."""

@@ -49,6 +49,7 @@ from specforge_opd.stages.sft_train import (
     _publish_launch,
     follow_node0,
     gpu_count,
+    init_drafter_dir,
     nodes_from_env,
     on_gpu,
     run_train,
@@ -252,7 +253,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
             atomic_write_bytes(dfile, text.encode())
         run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
                                    out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus,
-                                   nodes=nodes)
+                                   nodes=nodes, init_dir=init_drafter_dir(cfg, t_dir, target_config))
         if not val_tok:
             return run_train(t_dir, run, cfg, gpus)
         from specforge_opd.eval.validation import ValidationSet
@@ -274,7 +275,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
                                    flops_at=flops_at, tensorboard_dir=out / "tensorboard" if cfg.output.tensorboard else None,
                                    plot_path=out / "sft_curve.png")
 
-    from specforge_opd.models.drafter import load_specforge_checkpoint, read_drafter_metadata, save_drafter
+    from specforge_opd.models.drafter import METADATA_FILE, load_specforge_checkpoint, read_drafter_metadata, save_drafter
 
     train_stats = keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
     ckpt = Path(train_stats["checkpoint"])
@@ -286,11 +287,22 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
 
     final = out / "final"
     meta = read_drafter_metadata(final) if final.is_dir() else {}
+    validation = None if chosen is None else {
+        "select": cfg.sft.select, "selected_step": int(chosen["step"]), "selected_tau": chosen["tau"],
+        "curve": train_stats["curve"], "val_prompts": len(val_tok), "plateau_step": train_stats.get("plateau_step"),
+        "paused_at": train_stats.get("paused_at")}
     if (meta.get("sft_key") == t_key and meta.get("verify") is not None
             and (chosen is None or meta.get("step") == chosen["step"])):
         skipped.append("export")
         verify = meta["verify"]
-        print(f"[sft export] done already: {final}", flush=True)
+        # the same weights, but the curve may have grown since (a continued run that stopped on a plateau
+        # or at another pause): the export's record says where the run stands now
+        if validation is not None and meta.get("validation") != json.loads(json.dumps(validation, default=str)):
+            atomic_write_json(final / METADATA_FILE, dict(meta, validation=validation))
+            print(f"[sft export] done already: {final} (its validation record brought up to step "
+                  f"{max(p['step'] for p in validation['curve'])})", flush=True)
+        else:
+            print(f"[sft export] done already: {final}", flush=True)
     else:
         if chosen is not None:  # the validated checkpoint, exported before SpecForge could prune it
             from specforge_opd.models.drafter import load_drafter
@@ -318,12 +330,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
                                              "samples": n_samples,
                                              "step": step, "verify": verify,
                                              "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict(),
-                                             "validation": None if chosen is None else {
-                                                 "select": cfg.sft.select, "selected_step": step,
-                                                 "selected_tau": chosen["tau"], "curve": train_stats["curve"],
-                                                 "val_prompts": len(val_tok),
-                                                 "plateau_step": train_stats.get("plateau_step"),
-                                                 "paused_at": train_stats.get("paused_at")}},
+                                             "validation": validation},
                      dtype=cfg.target.dtype)
         from specforge_opd.models.drafter import load_drafter
 

@@ -185,9 +185,35 @@ def sft_steps(cfg: ExperimentConfig, num_samples: int, gpus: int) -> tuple[int, 
     return steps_per_epoch, num_epochs, cfg.sft.max_steps or steps_per_epoch * num_epochs
 
 
+def init_drafter_dir(cfg: ExperimentConfig, t_dir: Path, target_config) -> Optional[Path]:
+    """The HF DFlash directory SpecForge starts from for ``sft.init_drafter`` given in any drafter form.
+
+    SpecForge's ``draft_checkpoint_path`` takes an HF DFlash directory only. An HF directory
+    or ``published:NAME`` is used as it is; a SpecForge checkpoint (``training_state.pt``, a
+    step directory, a ``-latest`` link or a run directory) goes through the one loader
+    (``models.drafter.load_drafter``) and is exported once, in fp32 (exact), to
+    ``<t_dir>/init_drafter``. None when ``sft.init_drafter`` is unset.
+
+    Raises:
+        DrafterError: the path holds no drafter, or one that does not fit the target.
+    """
+    if not cfg.sft.init_drafter:
+        return None
+    from specforge_opd.models.drafter import drafter_path, load_drafter, save_drafter
+
+    src = drafter_path(cfg.resolve_path(cfg.sft.init_drafter))
+    if src.is_dir() and (src / "config.json").is_file():
+        return src
+    dest = Path(t_dir) / "init_drafter"
+    if not (dest / "config.json").is_file():
+        model = load_drafter(src, target_config=target_config)
+        save_drafter(model, dest, metadata={"exported_from": str(src)}, dtype="float32")
+    return dest
+
+
 def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_config_file: Path, features: Path,
                          out_dir: Path, num_samples: int, mask_token_id: int, gpus: int,
-                         nodes: Optional[Nodes] = None) -> dict:
+                         nodes: Optional[Nodes] = None, init_dir: Optional[Path] = None) -> dict:
     """The SpecForge run config (``specforge/config/schema.py``) of the SFT train step.
 
     CPU: ``attention_backend: sdpa`` (flex_attention has no CPU backward) and
@@ -240,8 +266,9 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
     }
     if cfg.sft.max_steps is not None:
         run["training"]["max_steps"] = int(cfg.sft.max_steps)
-    if cfg.sft.init_drafter:
-        run["model"]["draft_checkpoint_path"] = str(cfg.resolve_path(cfg.sft.init_drafter))
+    if init_dir is not None or cfg.sft.init_drafter:
+        # SpecForge starts from an HF DFlash directory only (init_drafter_dir makes one)
+        run["model"]["draft_checkpoint_path"] = str(init_dir if init_dir is not None else cfg.resolve_path(cfg.sft.init_drafter))
     if gpus == 0:
         if t.attention_backend == "flex_attention":
             warnings.warn("training.attention_backend=flex_attention has no CPU backward; SFT uses sdpa on CPU",
