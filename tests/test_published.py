@@ -18,6 +18,9 @@ def test_published_drafter_ships_with_its_training_record():
     assert len(curve) >= 2 and [p["step"] for p in curve] == sorted(p["step"] for p in curve)
     best = max(curve, key=lambda p: (p["tau"], -p["step"]))
     assert rec["selected_step"] == best["step"] and rec["validation"]["selected_tau"] == best["tau"]
+    # the record says why training stopped: the plateau rule (at its last point), or a pause
+    v = rec["validation"]
+    assert (v["plateau_step"] == curve[-1]["step"]) != (v["paused_at"] is not None), v
     chk = rec["check"]
     assert set(chk["drafter"]) == set(chk["ngram"]) == set(chk["datasets"])
     assert all(t >= 1.0 for t in chk["drafter"].values())

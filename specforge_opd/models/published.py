@@ -167,7 +167,10 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
                               if sup else None),
         "flops": meta.get("flops"),
         "validation": {"prompts": meta["validation"]["val_prompts"], "select": meta["validation"]["select"],
-                       "selected_tau": meta["validation"]["selected_tau"], "curve": curve},
+                       "selected_tau": meta["validation"]["selected_tau"], "curve": curve,
+                       # where the plateau rule stopped the run (None: stopped by a pause or the step cap)
+                       "plateau_step": meta["validation"].get("plateau_step"),
+                       "paused_at": meta["validation"].get("paused_at")},
     }
     record["check"] = run_check(tmp, out_dir / "publish_check", check_overrides)
     (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
