@@ -36,16 +36,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from specforge_opd.config import RolloutConfig, TargetConfig
     from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
     from specforge_opd.data.chat import render_prompt
-    from specforge_opd.config import RolloutConfig, TargetConfig
-    from specforge_opd.models.drafter import build_drafter, derive_draft_config, load_drafter
-    from specforge_opd.eval.evaluate import TrajectoryCache, offline_tau
     from specforge_opd.data.prompts import eval_prompts
-    from specforge_opd.rollout.records import tau_of
-    from specforge_opd.rollout.engine import SpeculativeEngine
-
+    from specforge_opd.eval.evaluate import TrajectoryCache, offline_tau
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config, load_drafter
     from specforge_opd.models.target import load_target
+    from specforge_opd.rollout.engine import SpeculativeEngine
+    from specforge_opd.rollout.records import tau_of
 
     bundle = load_target(TargetConfig(device="cpu"))
     model, tok = bundle.model, bundle.tokenizer

@@ -33,11 +33,11 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specforge_opd.config import RolloutConfig
     from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID, ensure_target
     from specforge_opd.data.chat import render_prompt
-    from specforge_opd.config import RolloutConfig
-    from specforge_opd.models.drafter import build_drafter, derive_draft_config, drafter_mask_token_id, load_drafter
     from specforge_opd.data.prompts import eval_prompts
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config, drafter_mask_token_id, load_drafter
     from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
 
     path = ensure_target(progress=False)

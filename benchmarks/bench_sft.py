@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from specforge_opd.stages import sft
 from specforge_opd.config import load_config
+from specforge_opd.stages import sft
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,8 +23,8 @@ from transformers import LlamaConfig
 
 from specforge_opd.models.adapter import OnlineDFlashModel
 from specforge_opd.models.drafter import build_drafter, derive_draft_config, drafter_layer_ids
-from specforge_opd.train.losses import plan_slots, slot_coefficients
 from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.train.losses import plan_slots, slot_coefficients
 from specforge_opd.train.trainer import sequence_loss
 
 

@@ -144,8 +144,8 @@ def section_equality(args, out: Section) -> None:
     import copy
 
     from specforge_opd.config import RolloutConfig
-    from specforge_opd.train.losses import plan_slots, slot_coefficients
     from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
+    from specforge_opd.train.losses import plan_slots, slot_coefficients
     from specforge_opd.train.trainer import sequence_loss
 
     device = _device(args.cpu)
@@ -247,8 +247,8 @@ def _shapes(args):
 def section_trainer(args, out: Section) -> None:
     from specforge_opd.models.adapter import OnlineDFlashModel
     from specforge_opd.models.drafter import build_drafter, derive_draft_config, drafter_layer_ids
-    from specforge_opd.train.losses import plan_slots, slot_coefficients
     from specforge_opd.rollout.records import RolloutRecord
+    from specforge_opd.train.losses import plan_slots, slot_coefficients
     from specforge_opd.train.replay import recompute_from_target
     from specforge_opd.train.trainer import sequence_group_losses
 

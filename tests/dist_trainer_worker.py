@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_tiny_drafter, make_tiny_target  # noqa: E402
-from opd_helpers import make_records  # noqa: E402
-
 from specforge_opd.config import load_config  # noqa: E402
 from specforge_opd.models.drafter import drafter_layer_ids  # noqa: E402
 from specforge_opd.train.trainer import distill  # noqa: E402
+
+from conftest import make_tiny_drafter, make_tiny_target  # noqa: E402
+from opd_helpers import make_records  # noqa: E402
 
 NUM_RECORDS = 5  # with a global batch of 4 the second step is short: rank padding is exercised
 

@@ -186,8 +186,8 @@ def test_cached_entry_survives_uninstalled_package(tmp_path, monkeypatch):
 
 
 def test_prepare_assets_cli(tmp_path, monkeypatch, capsys):
-    from specforge_opd.data import prompts
     from specforge_opd.cli import main
+    from specforge_opd.data import prompts
 
     monkeypatch.setattr(assets, "ensure_target", lambda cache=None, progress=True: tmp_path / "target")
     monkeypatch.setattr(prompts, "OFFLINE_SOURCES", ("humaneval", "mtbench"))

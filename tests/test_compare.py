@@ -7,14 +7,13 @@ import math
 import pytest
 import yaml
 
+from specforge_opd.eval.flops import FlopsLedger, sft_flops
+from specforge_opd.models.drafter import save_drafter
+from specforge_opd.rollout.responses import ResponseRecord
+from specforge_opd.stages import compare, sft
+
 from conftest import make_tiny_drafter
 from sft_helpers import make_target_dir
-
-from specforge_opd.stages import compare
-from specforge_opd.stages import sft
-from specforge_opd.models.drafter import save_drafter
-from specforge_opd.eval.flops import FlopsLedger, sft_flops
-from specforge_opd.rollout.responses import ResponseRecord
 
 
 def _write_configs(tmp_path, start: str, target: str):
@@ -87,8 +86,8 @@ def test_matched_baseline_refuses_unknown_baseline_and_missing_start(tmp_path):
 
 
 def test_published_paths_resolve_and_unknown_names_say_what_exists(tmp_path, monkeypatch):
-    from specforge_opd.models import published
     from specforge_opd.config import ConfigError, load_config
+    from specforge_opd.models import published
     from specforge_opd.models.drafter import DrafterError, drafter_path
 
     bundle = make_target_dir(tmp_path / "target")
@@ -135,9 +134,10 @@ def test_publish_stores_bf16_exact_weights_in_bf16_and_they_load_unchanged(tmp_p
     import torch
     from safetensors.torch import load_file
 
-    from conftest import make_tiny_target
     from specforge_opd.models.drafter import load_drafter
     from specforge_opd.models.published import _store_bf16_if_exact
+
+    from conftest import make_tiny_target
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target)

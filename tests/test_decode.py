@@ -268,8 +268,8 @@ def test_threads_follow_the_config_and_the_process_share(monkeypatch):
 
 def test_every_verb_sets_threads(monkeypatch, tmp_path):
     """parse_experiment (every verb's entry) applies target.threads before the verb runs."""
-    from specforge_opd.models import target as tgt
     from specforge_opd.cli import experiment_parser, parse_experiment
+    from specforge_opd.models import target as tgt
 
     seen = []
     monkeypatch.setattr(tgt, "apply_threads", lambda n: seen.append(n) or n)

@@ -8,11 +8,11 @@ import types
 import pytest
 import torch
 
-from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
-from test_sft_reuse import _specforge_run
-
 from specforge_opd.models import published
 from specforge_opd.models.drafter import DrafterError, load_any_drafter, load_drafter, save_drafter
+
+from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
+from test_sft_reuse import _specforge_run
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +79,12 @@ def test_eval_accepts_a_specforge_step_directory(tmp_path, forms, tiny):
 
 def test_distill_and_compare_accept_a_specforge_step_directory(tmp_path, forms, tiny):
     """The OPD trainer's initial drafter and the matched-FLOPs baseline's cost model read the same forms."""
-    from sft_helpers import make_target_dir
-
-    from specforge_opd.stages.compare import matched_steps
     from specforge_opd.config import load_config
     from specforge_opd.rollout.responses import ResponseRecord
+    from specforge_opd.stages.compare import matched_steps
     from specforge_opd.train.trainer import _initial_drafter
+
+    from sft_helpers import make_target_dir
 
     target, drafter = tiny
     cfg = load_config(None, [f"draft.mask_token_id={TINY_MASK}", "target.dtype=float32"])

@@ -20,11 +20,19 @@ import types
 import pytest
 import torch
 
-from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
-from specforge_opd.models.drafter import DrafterError, derive_draft_config, build_drafter, save_drafter
-from specforge_opd.eval.evaluate import EvalError, TrajectoryCache, evaluate, load_eval_prompts, offline_replay, offline_tau
-from specforge_opd.rollout.records import tau_of
 from specforge_opd.config import load_config
+from specforge_opd.eval.evaluate import (
+    EvalError,
+    TrajectoryCache,
+    evaluate,
+    load_eval_prompts,
+    offline_replay,
+    offline_tau,
+)
+from specforge_opd.models.drafter import DrafterError, build_drafter, derive_draft_config, save_drafter
+from specforge_opd.rollout.records import tau_of
+
+from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 
 TIE_GAP = 1e-4
 
@@ -294,12 +302,12 @@ def test_offline_matches_live_on_embedded_target(embedded_target_dir):
     gives the live engine's tokens, anchors, accepted counts and per-prompt tau. A divergence is
     allowed only where the target's top-2 logit gap is < 1e-4 (DESIGN.md), and that prompt's
     comparison stops there."""
+    from specforge_opd.config import RolloutConfig, TargetConfig
     from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
     from specforge_opd.data.chat import render_prompt
-    from specforge_opd.config import RolloutConfig, TargetConfig
     from specforge_opd.data.prompts import eval_prompts
-    from specforge_opd.rollout.engine import SpeculativeEngine
     from specforge_opd.models.target import load_target
+    from specforge_opd.rollout.engine import SpeculativeEngine
 
     bundle = load_target(TargetConfig(path=str(embedded_target_dir), device="cpu"))
     dcfg = derive_draft_config(bundle.model.config, num_hidden_layers=1, block_size=16, mask_token_id=EMBEDDED_MASK_TOKEN_ID)

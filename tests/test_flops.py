@@ -5,9 +5,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import make_tiny_drafter, make_tiny_target
 from specforge_opd.eval import flops as F
 from specforge_opd.models.adapter import extract_context_feature
+
+from conftest import make_tiny_drafter, make_tiny_target
 
 
 def _counted(fc: FlopCounterMode) -> int:

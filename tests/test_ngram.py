@@ -71,10 +71,10 @@ def test_ngram_drafter_rollout_equals_greedy_and_its_offline_tau():
     """Prompt lookup plugged into the shared step against the in-process target: the output is the target's greedy
     decoding, short proposals are padded and never accepted past their length, and tau equals the offline replay
     (``ngram_offline_tau``) of the same trajectories, block for block."""
-    from conftest import make_tiny_target
-
     from specforge_opd.eval.ngram import NgramDrafter
     from specforge_opd.rollout.step import InProcessTarget, StepConfig, run_inline, speculate
+
+    from conftest import make_tiny_target
 
     target = make_tiny_target(seed=0)
     prompts = [("a", [5, 6, 7, 5, 6, 7, 5, 6]), ("b", [9, 10, 11, 12]), ("c", [20, 21, 20, 21, 20, 22, 23])]

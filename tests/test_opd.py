@@ -86,10 +86,10 @@ def test_opd_loop_over_sglang_verify_standin(tmp_path):
     """rollout.backend=sglang_verify: the OPD loop rolls out through an SGLang(-shaped) server and measures
     the same on-policy tau per iteration as the embedded backend; native mode refuses fixed URLs."""
     from specforge_opd.models.drafter import drafter_layer_ids
-    from specforge_opd.stages.opd import run_opd
-    from specforge_opd.stages.plan import PlanError
     from specforge_opd.sglang.contract import server_layer_ids
     from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+    from specforge_opd.stages.opd import run_opd
+    from specforge_opd.stages.plan import PlanError
 
     cfg, bundle, prompts = _setup(tmp_path, "embedded")
     cfg.rollout.teacher = "topk"

@@ -105,10 +105,10 @@ def _peak_bytes(fn) -> int:
 
 
 def _small_case(form, vocab, hidden, prompt_len, response_len, max_blocks, chunk):
+    from specforge_opd.models.drafter import drafter_layer_ids
+
     from conftest import make_tiny_drafter, make_tiny_target
     from opd_helpers import make_record
-
-    from specforge_opd.models.drafter import drafter_layer_ids
 
     target = make_tiny_target(vocab=vocab, hidden=hidden, layers=3).requires_grad_(False)
     drafter = make_tiny_drafter(target, block_size=4, layers=2, mask_token_id=vocab - 1).train()
@@ -132,8 +132,8 @@ CASES = [("full", 2048, 64, 40, 200, 512, 64), ("full", 2048, 64, 40, 200, 16, 6
 def test_trainer_memory_estimate_matches_a_measured_step(case):
     """The plan's replay terms against the bytes one training step of one sequence really allocates
     on the CPU (forward and backward of every group, fp32): within 25% below / 50% above."""
-    from specforge_opd.train.losses import plan_slots, slot_coefficients
     from specforge_opd.stages.plan import estimate_rank_memory
+    from specforge_opd.train.losses import plan_slots, slot_coefficients
     from specforge_opd.train.trainer import sequence_group_losses
 
     target, drafter, rec, cfg = _small_case(*case)
@@ -184,10 +184,10 @@ def test_recompute_memory_estimate_matches_a_measured_recompute(case):
 
 
 def test_rank_memory_shrinks_the_sharded_drafter_state_only():
+    from pathlib import Path
+
     from specforge_opd.stages.opd import _target_config
     from specforge_opd.stages.plan import estimate_rank_memory
-
-    from pathlib import Path
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b" / "opd.yaml")
     one, sixteen = estimate_rank_memory(cfg, _target_config(cfg), 1), estimate_rank_memory(cfg, _target_config(cfg), 16)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from specforge_opd.data import prompts
 from specforge_opd.config import DataConfig
+from specforge_opd.data import prompts
 from specforge_opd.data.prompts import PromptRecord, PromptsError
 
 

@@ -2,10 +2,11 @@
 
 import torch
 
-from opd_helpers import make_record
 from specforge_opd.models.drafter import drafter_layer_ids
-from specforge_opd.train.replay import recompute_from_target, replay_hidden, replay_inputs, slot_teacher
 from specforge_opd.train.losses import plan_slots
+from specforge_opd.train.replay import recompute_from_target, replay_hidden, replay_inputs, slot_teacher
+
+from opd_helpers import make_record
 
 MASK = 96
 

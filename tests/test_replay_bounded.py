@@ -8,9 +8,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from conftest import make_tiny_drafter, make_tiny_target
-from opd_helpers import make_record
-from replay_reference import recompute_from_target_dense
 from specforge_opd.models.adapter import create_dflash_sdpa_mask
 from specforge_opd.models.drafter import drafter_layer_ids
 from specforge_opd.train.losses import plan_slots, slot_coefficients
@@ -23,6 +20,10 @@ from specforge_opd.train.replay import (
     replay_hidden,
 )
 from specforge_opd.train.trainer import sequence_group_losses, sequence_loss
+
+from conftest import make_tiny_drafter, make_tiny_target
+from opd_helpers import make_record
+from replay_reference import recompute_from_target_dense
 
 VOCAB, MASK = 2048, 2047
 
@@ -218,9 +219,10 @@ def test_sequence_loss_sums_its_groups_and_pads_with_zero_weight(wide, records_b
 def test_distill_in_groups_equals_one_forward(tmp_path, source):
     """The trainer with training.max_blocks_per_forward=1 (every block its own forward and backward,
     the recompute's verify too) takes the steps of the default one-forward replay."""
-    from opd_helpers import make_records
     from specforge_opd.config import load_config
     from specforge_opd.train.trainer import distill
+
+    from opd_helpers import make_records
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target, block_size=4, layers=2)

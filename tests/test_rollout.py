@@ -14,13 +14,13 @@ import math
 
 import pytest
 import torch
+
 try:  # tests/ may or may not be a package
     from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 except ImportError:
     from .conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 
 from specforge_opd.config import RolloutConfig
-from specforge_opd.rollout.records import tau_of
 from specforge_opd.rollout.engine import (
     RolloutError,
     SpeculativeEngine,
@@ -29,6 +29,7 @@ from specforge_opd.rollout.engine import (
     sampling_probs,
     verify_blocks,
 )
+from specforge_opd.rollout.records import tau_of
 from specforge_opd.rollout.shards import ShardWriter, read_shards
 
 STOP = 1

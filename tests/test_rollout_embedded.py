@@ -34,8 +34,8 @@ def _ids(tok, messages):
 def test_lossless_greedy_on_real_prompts(smol):
     """Speculative output == the target's own greedy decoding (HF generate, no padding, one
     prompt at a time); a divergence is allowed only where the top-2 logit gap < 1e-4 (DESIGN.md)."""
-    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
     from specforge_opd.config import RolloutConfig
+    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
     from specforge_opd.models.drafter import build_drafter, derive_draft_config
     from specforge_opd.rollout.engine import SpeculativeEngine
 
@@ -63,10 +63,11 @@ def test_lossless_greedy_on_real_prompts(smol):
 
 
 def test_rollout_and_inspect_cli(tmp_path, embedded_target_dir, capsys):
-    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
-    from specforge_opd.cli import main
-    from specforge_opd.models.drafter import build_drafter, derive_draft_config, save_drafter
     from transformers import AutoConfig
+
+    from specforge_opd.cli import main
+    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
+    from specforge_opd.models.drafter import build_drafter, derive_draft_config, save_drafter
 
     tcfg = AutoConfig.from_pretrained(embedded_target_dir)
     dcfg = derive_draft_config(tcfg, num_hidden_layers=1, block_size=4, mask_token_id=EMBEDDED_MASK_TOKEN_ID)

@@ -9,16 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from specforge_opd import stepkeys
+from specforge_opd.data import prompts
+from specforge_opd.models.drafter import load_specforge_checkpoint
+from specforge_opd.rollout import responses
+from specforge_opd.stages import sft, sft_features, sft_train
+
 from conftest import TINY_MASK
 from sft_helpers import STOP, make_prompts, make_target_dir, tiny_cfg
-
-from specforge_opd.data import prompts
-from specforge_opd.rollout import responses
-from specforge_opd.stages import sft
-from specforge_opd.stages import sft_features
-from specforge_opd.stages import sft_train
-from specforge_opd import stepkeys
-from specforge_opd.models.drafter import load_specforge_checkpoint
 
 
 @pytest.fixture
@@ -98,8 +96,8 @@ QWEN3_8B = {  # Qwen/Qwen3-8B config.json (the numbers the dry run needs)
 
 
 def test_dry_run_qwen3_8b_plans_without_weights(tmp_path, monkeypatch, capsys):
-    from specforge_opd.data import assets
     from specforge_opd.config import load_config
+    from specforge_opd.data import assets
 
     real = assets.qwen3_fixture_dir("8b")
     if not (real / "config.json").is_file():  # engineer A's fixture not there yet: the real numbers
@@ -123,8 +121,8 @@ def test_dry_run_qwen3_8b_plans_without_weights(tmp_path, monkeypatch, capsys):
 
 
 def test_dry_run_cli_all_gpu_configs(tmp_path, monkeypatch, capsys):
-    from specforge_opd.data import assets
     from specforge_opd.cli import main
+    from specforge_opd.data import assets
 
     fixtures = {"8b": QWEN3_8B,
                 "4b": {**QWEN3_8B, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
@@ -283,8 +281,8 @@ def test_validation_curve_segments_select_and_resume(tmp_path, chat_render, monk
     """sft.val_prompts: segments of val_interval steps, a validation tau per segment from exact offline
     replay on held-out prompts, the export is the selected point; the segmented run trains exactly what
     one uninterrupted SpecForge run trains (same LR horizon, no step twice), and resumes after a kill."""
-    from specforge_opd.models.drafter import load_drafter, read_drafter_metadata
     from specforge_opd.eval.validation import read_curve
+    from specforge_opd.models.drafter import load_drafter, read_drafter_metadata
 
     bundle = make_target_dir(tmp_path / "target")
     prompts, held = make_prompts(8), make_prompts(2, start=20)

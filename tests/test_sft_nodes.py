@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from specforge_opd.config import load_config
-from specforge_opd.stages import sft
-from specforge_opd.stages import sft_train
+from specforge_opd.stages import sft, sft_train
 from specforge_opd.stages.sft import SFTError
 from specforge_opd.stages.sft_train import LAUNCH_FILE, Nodes, follow_node0, nodes_from_env, specforge_run_config
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge_opd.rollout import responses
-from specforge_opd.stages import sft
 from specforge_opd.config import load_config
-from specforge_opd.models.drafter import load_drafter
 from specforge_opd.eval.evaluate import TrajectoryCache, offline_tau
-from specforge_opd.rollout.records import tau_of
+from specforge_opd.models.drafter import load_drafter
 from specforge_opd.models.target import load_target
+from specforge_opd.rollout import responses
+from specforge_opd.rollout.records import tau_of
+from specforge_opd.stages import sft
 
 BLOCK = 8
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
-
 from specforge_opd.models.drafter import DrafterError, load_any_drafter, load_specforge_checkpoint, save_drafter
+
+from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
 
 
 def _specforge_run(root: Path, drafter, step: int = 8) -> Path:

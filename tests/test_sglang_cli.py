@@ -4,15 +4,16 @@ server gives the same shards' anchors, drafts, accepted counts and tokens as the
 import pytest
 import torch
 
-from conftest import make_tiny_drafter, make_tiny_target
 from specforge_opd.config import load_config
 from specforge_opd.models.drafter import drafter_layer_ids, save_drafter
+from specforge_opd.models.target import TargetBundle
 from specforge_opd.rollout.engine import run_rollout
+from specforge_opd.rollout.shards import read_shards
 from specforge_opd.sglang.contract import server_layer_ids
 from specforge_opd.sglang.speculate import Drafter
 from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
-from specforge_opd.rollout.shards import read_shards
-from specforge_opd.models.target import TargetBundle
+
+from conftest import make_tiny_drafter, make_tiny_target
 
 PROMPTS = [("p0", [5, 17, 33, 8]), ("p1", [40, 41, 42]), ("p2", [7, 9, 11, 13, 15, 3])]
 

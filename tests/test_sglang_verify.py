@@ -17,7 +17,7 @@ import torch
 
 from specforge_opd.config import SGLangConfig
 from specforge_opd.sglang.contract import ContractError, server_layer_ids
-from specforge_opd.sglang.launcher import Endpoints, SGLangServer, ServerError, server_args
+from specforge_opd.sglang.launcher import Endpoints, ServerError, SGLangServer, server_args
 from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_sequence
 from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
 from specforge_opd.sglang.verify_client import verify_rollout_async, verify_rollout_to_shards

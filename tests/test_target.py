@@ -10,8 +10,8 @@ from specforge_opd.models.target import TargetError, load_target, resolve_device
 
 
 def _save_tiny(path):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     from conftest import make_tiny_target
 
@@ -79,8 +79,8 @@ def test_hub_id_targets_load_through_a_snapshot_and_fail_offline_by_name(tmp_pat
     missing directory; offline and uncached it names target.path and the fix."""
     import huggingface_hub
 
-    from specforge_opd.models import target
     from specforge_opd.config import load_config
+    from specforge_opd.models import target
     from specforge_opd.models.target import looks_like_hub_id, resolve_target_path
 
     snap = tmp_path / "snap"

@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_drafter, make_tiny_target
-from opd_helpers import make_records
 from specforge_opd.config import load_config
 from specforge_opd.models.drafter import drafter_layer_ids, load_drafter
 from specforge_opd.train.replay import recompute_from_target
 from specforge_opd.train.trainer import BatchOrder, InjectedFault, NonFiniteError, distill
+
+from conftest import make_tiny_drafter, make_tiny_target
+from opd_helpers import make_records
 
 MASK = 96
 

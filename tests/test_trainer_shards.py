@@ -13,9 +13,10 @@ MASK = 96
 
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
-    from conftest import make_tiny_drafter, make_tiny_target
     from specforge_opd.rollout.engine import SpeculativeEngine
     from specforge_opd.rollout.shards import ShardWriter
+
+    from conftest import make_tiny_drafter, make_tiny_target
 
     target = make_tiny_target()
     drafter = make_tiny_drafter(target, block_size=4, layers=2)

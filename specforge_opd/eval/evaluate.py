@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_text
 from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.eval.ngram import NGRAM_NAME, ngram_offline_tau
 from specforge_opd.models.drafter import (
     DrafterError,
     check_compatible,
@@ -52,7 +53,6 @@ from specforge_opd.models.drafter import (
     load_drafter,
     read_drafter_metadata,
 )
-from specforge_opd.eval.ngram import NGRAM_NAME, ngram_offline_tau
 from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
 
 CACHE_VERSION = 1
@@ -785,8 +785,8 @@ def _user_errors() -> tuple:
     from specforge_opd.data.assets import AssetError
     from specforge_opd.data.chat import ChatError
     from specforge_opd.data.prompts import PromptsError
-    from specforge_opd.rollout.engine import RolloutError
     from specforge_opd.models.target import TargetError
+    from specforge_opd.rollout.engine import RolloutError
 
     return (EvalError, DrafterError, PromptsError, ChatError, TargetError, RolloutError, AssetError)
 

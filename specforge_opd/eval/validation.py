@@ -106,8 +106,8 @@ class ValidationSet:
         """Pooled tau (``records.tau_of``) of ``drafter`` on the validation trajectories, exact at T=0."""
         import torch
 
-        from specforge_opd.models.drafter import drafter_layer_ids
         from specforge_opd.eval.evaluate import offline_tau
+        from specforge_opd.models.drafter import drafter_layer_ids
         from specforge_opd.rollout.records import tau_of
 
         trajs = self.cache.get(self.prompts, drafter_layer_ids(drafter), desc="validation trajectories")

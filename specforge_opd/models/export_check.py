@@ -10,6 +10,7 @@ from __future__ import annotations
 from specforge_opd.rollout.responses import _cut_at_stop
 from specforge_opd.stepkeys import SFTError
 
+
 class _CallCounter:
     """Counts forward calls of a module (the target's verify steps inside ``spec_generate``)."""
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional, Sequence
-
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
-from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
 from specforge_opd.config import RolloutConfig
+from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
 from specforge_opd.rollout.decode import TargetRunner, left_pad, prefill, step_mask
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import (
@@ -478,8 +477,8 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         RolloutError: no drafter path (draft.path) or a bad prompt.
     """
     from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
-    from specforge_opd.rollout.shards import ShardWriter
     from specforge_opd.models.target import load_target
+    from specforge_opd.rollout.shards import ShardWriter
 
     if cfg.draft.path is None:
         raise RolloutError("draft.path is not set: pass the drafter to roll out with (draft.path=DIR)")

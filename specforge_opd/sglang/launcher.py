@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from specforge_opd.config import SGLangConfig
-from specforge_opd.sglang.contract import MIN_SGLANG_VERSION, parse_pool_tokens, parse_running_slots, parse_server_info, server_layer_ids, version_tuple
+from specforge_opd.sglang.contract import (
+    MIN_SGLANG_VERSION,
+    parse_pool_tokens,
+    parse_running_slots,
+    parse_server_info,
+    server_layer_ids,
+    version_tuple,
+)
 
 Mode = Literal["verify", "native", "plain"]
 

@@ -52,7 +52,14 @@ import torch
 
 from specforge_opd.config import SGLangConfig
 from specforge_opd.rollout.records import RolloutRecord
-from specforge_opd.sglang.contract import NATIVE_STEP_FIELDS, ContractError, NativeStep, native_request, parse_native_response, request_timeout_s
+from specforge_opd.sglang.contract import (
+    NATIVE_STEP_FIELDS,
+    ContractError,
+    NativeStep,
+    native_request,
+    parse_native_response,
+    request_timeout_s,
+)
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import torch
 
 from specforge_opd.config import SGLangConfig
 from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.step import PerSequenceTarget, greedy_only_error
 from specforge_opd.sglang.contract import (
     ContractError,
     feature_columns,
@@ -30,7 +31,6 @@ from specforge_opd.sglang.contract import (
     verify_request,
 )
 from specforge_opd.sglang.launcher import Endpoints, ServerError
-from specforge_opd.rollout.step import PerSequenceTarget, greedy_only_error
 from specforge_opd.sglang.speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence, verify_caps
 
 log = logging.getLogger(__name__)

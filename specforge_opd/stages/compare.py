@@ -42,8 +42,8 @@ def matched_steps(sft_cfg, start: Path, responses: list, opd_flops: float) -> tu
     ``opd_flops`` drafter-training FLOPs, for the drafter at ``start`` (its shape sets the cost)."""
     from transformers import AutoConfig
 
-    from specforge_opd.models.drafter import load_drafter
     from specforge_opd.eval.flops import sft_flops
+    from specforge_opd.models.drafter import load_drafter
 
     tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
     dcfg = load_drafter(start, target_config=tcfg).config  # any drafter form OPD accepts

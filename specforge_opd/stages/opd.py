@@ -40,6 +40,7 @@ import torch
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
+from specforge_opd.rollout.records import accepted_histogram, tau_of
 from specforge_opd.stages.plan import (
     OPDPlan,
     PlanError,
@@ -50,7 +51,6 @@ from specforge_opd.stages.plan import (
     per_rank_schedule,
     planned_world_size,
 )
-from specforge_opd.rollout.records import accepted_histogram, tau_of
 from specforge_opd.stepkeys import dir_bytes
 
 STATE_FILE = "opd_state.json"
@@ -256,9 +256,15 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         and whatever the rollout, shards and trainer raise on bad input.
     """
     from specforge_opd.data.chat import render_prompt
-    from specforge_opd.models.drafter import check_target_dtype, drafter_layer_ids, drafter_mask_token_id, load_any_drafter, read_drafter_metadata
-    from specforge_opd.rollout.engine import SpeculativeEngine
+    from specforge_opd.models.drafter import (
+        check_target_dtype,
+        drafter_layer_ids,
+        drafter_mask_token_id,
+        load_any_drafter,
+        read_drafter_metadata,
+    )
     from specforge_opd.models.target import load_target
+    from specforge_opd.rollout.engine import SpeculativeEngine
     from specforge_opd.train.trainer import distill
 
     cfg = bind_rank_device(cfg)

@@ -38,12 +38,13 @@ from typing import Any, Callable, Optional, Sequence
 
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_json
 from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.data.prompts import prompt_limit, tokenize_prompts
+from specforge_opd.eval.flops import FlopsLedger, sft_flops
 from specforge_opd.models.draft_config import draft_config_dict, make_draft_config, resolve_mask_token_id
 from specforge_opd.models.export_check import verify_export
-from specforge_opd.eval.flops import FlopsLedger, sft_flops
-from specforge_opd.stages.plan import estimate_sft
-from specforge_opd.data.prompts import prompt_limit, tokenize_prompts
+from specforge_opd.models.target import target_dir
 from specforge_opd.rollout.responses import read_responses, run_responses
+from specforge_opd.stages.plan import estimate_sft
 from specforge_opd.stages.sft_features import MIN_SUPERVISED_TOKENS, drafter_dtype, run_features
 from specforge_opd.stages.sft_train import (
     _publish_launch,
@@ -67,7 +68,6 @@ from specforge_opd.stepkeys import (  # noqa: F401  (SFTError: the stage's error
     step_dir,
     target_key,
 )
-from specforge_opd.models.target import target_dir
 
 #: The stage's steps, in order (``sft_report.json`` lists the ones a rerun skipped).
 STEPS = ("responses", "features", "train", "export")
@@ -275,7 +275,12 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
                                    flops_at=flops_at, tensorboard_dir=out / "tensorboard" if cfg.output.tensorboard else None,
                                    plot_path=out / "sft_curve.png")
 
-    from specforge_opd.models.drafter import METADATA_FILE, load_specforge_checkpoint, read_drafter_metadata, save_drafter
+    from specforge_opd.models.drafter import (
+        METADATA_FILE,
+        load_specforge_checkpoint,
+        read_drafter_metadata,
+        save_drafter,
+    )
 
     train_stats = keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
     ckpt = Path(train_stats["checkpoint"])

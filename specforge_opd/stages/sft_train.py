@@ -371,8 +371,8 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
     Raises:
         SFTError: a segment ended at another step than planned.
     """
-    from specforge_opd.models.drafter import load_specforge_checkpoint, save_drafter
     from specforge_opd.eval.validation import add_point, plateaued, plot_curve, read_curve, segment_ends, select
+    from specforge_opd.models.drafter import load_specforge_checkpoint, save_drafter
 
     steps_per_epoch, _, total = sft_steps(cfg, num_samples, gpus)
     ends = segment_ends(total, cfg.sft.val_interval or steps_per_epoch)

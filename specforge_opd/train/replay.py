@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from specforge_opd.models.adapter import create_dflash_sdpa_mask
-from specforge_opd.train.losses import SlotPlan
 from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.train.losses import SlotPlan
 
 
 class ReplayError(ValueError):

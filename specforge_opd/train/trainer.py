@@ -49,12 +49,24 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from specforge_opd.models.adapter import optimizer_and_scheduler
-from specforge_opd.train.checkpoint import CheckpointError, export_drafter, latest_checkpoint, load_checkpoint, save_checkpoint
 from specforge_opd.config import ExperimentConfig
-from specforge_opd.models.drafter import check_compatible, drafter_layer_ids, drafter_mask_token_id, load_drafter, read_drafter_metadata
-from specforge_opd.train.losses import SlotPlan, linear_kl_loss, plan_slots, slot_coefficients
+from specforge_opd.models.adapter import optimizer_and_scheduler
+from specforge_opd.models.drafter import (
+    check_compatible,
+    drafter_layer_ids,
+    drafter_mask_token_id,
+    load_drafter,
+    read_drafter_metadata,
+)
 from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.train.checkpoint import (
+    CheckpointError,
+    export_drafter,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from specforge_opd.train.losses import SlotPlan, linear_kl_loss, plan_slots, slot_coefficients
 from specforge_opd.train.replay import block_groups, recompute_from_target, replay_hidden, slot_teacher
 
 
