@@ -85,11 +85,10 @@ def matmul_rate(dtype, n: int = 2048, reps: int = 5) -> float:
 
 def load_prompts(tokenizer, n: int) -> list[list[int]]:
     from specforge_opd.config import load_config
-    from specforge_opd.data.prompts import training_pool
-    from specforge_opd.stages.sft import _prompt_limit, render_training_prompt
+    from specforge_opd.data.prompts import prompt_limit, render_training_prompt, training_pool
 
     cfg = load_config("configs/tiny/sft.yaml")
-    limit = _prompt_limit(cfg)
+    limit = prompt_limit(cfg)
     out = []
     for rec in training_pool(cfg.data):
         ids = tokenizer(render_training_prompt(tokenizer, rec, cfg), add_special_tokens=False)["input_ids"]
