@@ -32,7 +32,6 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
 
 
 def _time(f, reps: int) -> float:
@@ -115,7 +114,8 @@ def main() -> None:
 
     from specforge_opd.data.assets import ensure_target
     from specforge_opd.eval.flops import target_forward_flops
-    from specforge_opd.rollout.engine import _step_mask, autoregressive_generate
+    from specforge_opd.rollout.decode import step_mask
+    from specforge_opd.rollout.engine import autoregressive_generate
 
     path = ensure_target(progress=False)
     tok = AutoTokenizer.from_pretrained(path)
@@ -163,8 +163,7 @@ def main() -> None:
                   f"{dec / ceil['matmul']:.0%}", flush=True)
         # verify step vs decode step on a prompt's cache
         try:
-            from specforge_opd.rollout.decode import TargetRunner
-            from specforge_opd.rollout.engine import left_pad, prefill
+            from specforge_opd.rollout.decode import TargetRunner, left_pad, prefill
         except ImportError:  # a checkout from before the static-cache decode path: decode rows only
             args.verify_batch = []
         else:
@@ -180,7 +179,7 @@ def main() -> None:
             def step(q):
                 blk = torch.randint(100, 40000, (B, q))
                 bpos = pos[:, -1:] + 1 + torch.arange(q)
-                m = _step_mask(valid, torch.ones(B, q, dtype=torch.bool))
+                m = step_mask(valid, torch.ones(B, q, dtype=torch.bool))
 
                 def run():
                     h, _ = runner.forward(blk, bpos, m, cache, None)

@@ -19,8 +19,8 @@ except ImportError:
     from .conftest import make_tiny_target
 
 from specforge_opd.models.adapter import extract_context_feature
-from specforge_opd.rollout.decode import HFCache, KVCache, TargetRunner
-from specforge_opd.rollout.engine import _step_mask, autoregressive_generate, prefill
+from specforge_opd.rollout.decode import HFCache, KVCache, TargetRunner, prefill, step_mask
+from specforge_opd.rollout.engine import autoregressive_generate
 
 
 def _qwen3(seed=0, **kw):
@@ -76,7 +76,7 @@ def test_runner_forward_equals_hf(make, pack):
     layer_ids = list(range(n))  # the last one too: HF's last entry is the final-norm output
     ids, valid, pos = _batch([9, 5, 12])
     B, P = ids.shape
-    ref_h, ref_f = _hf(model, ids, pos, _step_mask(torch.zeros(B, 0, dtype=torch.bool), valid), layer_ids)
+    ref_h, ref_f = _hf(model, ids, pos, step_mask(torch.zeros(B, 0, dtype=torch.bool), valid), layer_ids)
     # prefill in chunks of 5, then the same tokens again one step at a time must give the same rows
     cache = runner.new_cache(B, 4)
     h_last, feats = prefill(runner, cache, ids, valid, pos, layer_ids, chunk=5)
@@ -85,10 +85,10 @@ def test_runner_forward_equals_hf(make, pack):
     # a decode step after the prefill equals the HF forward over prompt + that token
     nxt = torch.randint(3, 90, (B, 1))
     npos = pos[:, -1:] + 1
-    h1, f1 = runner.forward(nxt, npos, _step_mask(valid, torch.ones(B, 1, dtype=torch.bool)), cache, layer_ids)
+    h1, f1 = runner.forward(nxt, npos, step_mask(valid, torch.ones(B, 1, dtype=torch.bool)), cache, layer_ids)
     full_valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool)], 1)
     rh, rf = _hf(model, torch.cat([ids, nxt], 1), torch.cat([pos, npos], 1),
-                 _step_mask(torch.zeros(B, 0, dtype=torch.bool), full_valid), layer_ids)
+                 step_mask(torch.zeros(B, 0, dtype=torch.bool), full_valid), layer_ids)
     assert torch.allclose(h1, rh[:, -1:], atol=1e-5) and torch.allclose(f1, rf[:, -1:], atol=1e-5)
     assert cache.get_seq_length() == P + 1
 
@@ -98,7 +98,7 @@ def test_bad_layer_id_is_refused():
     runner = TargetRunner(model)
     ids, valid, pos = _batch([4])
     with pytest.raises(ValueError, match="target_layer_ids"):
-        runner.forward(ids, pos, _step_mask(torch.zeros(1, 0, dtype=torch.bool), valid), runner.new_cache(1, 8), [0, 7])
+        runner.forward(ids, pos, step_mask(torch.zeros(1, 0, dtype=torch.bool), valid), runner.new_cache(1, 8), [0, 7])
 
 
 def test_decode_writes_in_place():
@@ -114,7 +114,7 @@ def test_decode_writes_in_place():
     for _ in range(20):
         cur = cur + 1
         q = torch.ones(2, 1, dtype=torch.bool)
-        runner.forward(tok.unsqueeze(1), cur.unsqueeze(1), _step_mask(kv_valid, q), cache)
+        runner.forward(tok.unsqueeze(1), cur.unsqueeze(1), step_mask(kv_valid, q), cache)
         kv_valid = torch.cat([kv_valid, q], 1)
     assert cache.grown == 0 and cache.get_seq_length() == 26
     assert [k.data_ptr() for k in cache.keys] + [v.data_ptr() for v in cache.values] == ptrs
@@ -238,7 +238,7 @@ def test_bf16_runner_matches_hf_bf16():
     ids, valid, pos = _batch([6, 9])
     cache = runner.new_cache(2, 16)
     h, f = prefill(runner, cache, ids, valid, pos, [1, 3])
-    rh, rf = _hf(model, ids, pos, _step_mask(torch.zeros(2, 0, dtype=torch.bool), valid), [1, 3])
+    rh, rf = _hf(model, ids, pos, step_mask(torch.zeros(2, 0, dtype=torch.bool), valid), [1, 3])
     assert h.dtype == torch.bfloat16
     rel = float((f.float() - rf.float()).norm() / rf.float().norm())
     assert rel < 2e-2, rel

@@ -10,7 +10,6 @@ drafter still runs every step (its logits are what the replay test checks).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -26,11 +25,11 @@ from specforge_opd.rollout.engine import (
     SpeculativeEngine,
     autoregressive_generate,
     draft_blocks,
-    sampling_probs,
     verify_blocks,
 )
 from specforge_opd.rollout.records import tau_of
 from specforge_opd.rollout.shards import ShardWriter, read_shards
+from specforge_opd.rollout.step import sampling_probs
 
 STOP = 1
 

@@ -35,13 +35,9 @@ from specforge_opd.rollout.step import (
     row_generator,
     run_inline,
     sample_tokens,
-    sampling_probs,
     speculate,
     teacher_signal,
 )
-
-#: The old private name of ``decode.step_mask`` (benchmarks and tests import it from here).
-_step_mask = step_mask
 
 log = logging.getLogger(__name__)
 
