@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up (or reuse) .venv first.
-.PHONY: setup demo test bench sglang-wheel
+.PHONY: setup demo test sglang-wheel
 
 setup:
 	@bash scripts/setup_env.sh
@@ -12,7 +12,4 @@ sglang-wheel: setup
 	@.venv/bin/python -m specforge_opd.sglang.wheel
 
 test: setup sglang-wheel
-	@.venv/bin/python -m pytest -q --durations=15 tests
-
-bench: setup
-	@bash benchmarks/run_all.sh
+	@.venv/bin/python -m pytest -q -rs --durations=15 tests

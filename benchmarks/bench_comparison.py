@@ -118,7 +118,9 @@ def main() -> int:
         lines += ["", "| seed | OPD / matched-FLOPs SFT mean tau [95% CI] |", "|---|---:|"]
         lines += [f"| {k} | {v['ratio']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] |" for k, v in ratios.items()]
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
-    (out / "comparison.json").write_text(json.dumps({"rows": rows, "ratios": ratios, "prompts": n_prompts,
+    from specforge_opd.precision import machine_info
+
+    (out / "comparison.json").write_text(json.dumps({"machine": machine_info(), "rows": rows, "ratios": ratios, "prompts": n_prompts,
                                                       "seeds": args.seeds, "command": sys.argv}, indent=2))
     print("\n".join(lines))
     return 0

@@ -120,7 +120,9 @@ def main() -> None:
     path = ensure_target(progress=False)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = load_prompts(tok, max(args.batch + args.verify_batch))
-    results = {"threads": args.threads, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "dtypes": {}}
+    from specforge_opd.precision import machine_info
+
+    results = {"machine": machine_info(), "threads": args.threads, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "dtypes": {}}
     for dname in args.dtype:
         dtype = getattr(torch, dname)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()

@@ -62,7 +62,9 @@ def main() -> None:
     t0 = time.perf_counter()
     trajs = cache.get(prompts, layers)
     t_cache = time.perf_counter() - t0
-    out = {"dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": N, "threads": torch.get_num_threads(),
+    from specforge_opd.precision import machine_info
+
+    out = {"machine": machine_info(), "dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": N, "threads": torch.get_num_threads(),
            "cache_seconds_once": t_cache, "drafters": {}}
     for name, d in drafters.items():
         t0 = time.perf_counter()

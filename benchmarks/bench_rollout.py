@@ -96,7 +96,9 @@ def main() -> None:
               f"{r['measured_over_ideal']:>10.2f} {r['greedy_outputs_equal']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            from specforge_opd.precision import machine_info
+
+            json.dump({"machine": machine_info(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

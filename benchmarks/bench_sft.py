@@ -1,7 +1,7 @@
 """SFT train-step positions per second: SpecForge's own ``train`` loop against the lm_head-only ceiling.
 
 Each configuration runs the real SFT train step (``python -m specforge.cli train``,
-built by ``sft.specforge_run_config``, optimizer and all) for ``--steps`` optimizer
+built by ``sft_train.specforge_run_config``, optimizer and all) for ``--steps`` optimizer
 steps on synthetic offline samples of the embedded target's shapes (speed depends
 on shapes only), and reads SpecForge's logged ``perf/optimizer_step_time_s``
 (the first log window, warm-up, is dropped). A position is one drafter slot:
@@ -31,13 +31,17 @@ from pathlib import Path
 import torch
 
 from specforge_opd.config import load_config
-from specforge_opd.stages import sft
+from specforge_opd.models.draft_config import draft_config_dict, make_draft_config, resolve_mask_token_id
+from specforge_opd.models.target import target_dir
+from specforge_opd.precision import machine_info, resolve_sft
+from specforge_opd.stages.sft_features import feature_path
+from specforge_opd.stages.sft_train import specforge_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_samples(d: Path, n: int, seq: int, response: int, width: int, vocab: int, dtype: torch.dtype) -> None:
-    """``n`` offline DFlash samples in SpecForge's layout (``sft.feature_path``): random ids and features."""
+    """``n`` offline DFlash samples in SpecForge's layout (``feature_path``): random ids and features."""
     g = torch.Generator().manual_seed(0)
     files = []
     for i in range(n):
@@ -45,7 +49,7 @@ def write_samples(d: Path, n: int, seq: int, response: int, width: int, vocab: i
         mask[seq - response:] = 1
         s = {"input_ids": torch.randint(0, vocab - 1, (seq,), generator=g), "loss_mask": mask,
              "hidden_states": torch.randn(1, seq, width, generator=g).to(dtype)}
-        p = sft.feature_path(d, i)
+        p = feature_path(d, i)
         p.parent.mkdir(parents=True, exist_ok=True)
         torch.save(s, p)
         files.append(str(p.relative_to(d)))
@@ -56,14 +60,14 @@ def specforge_step_s(cfg, work: Path, features: Path, n: int, steps: int, log_in
     """Mean optimizer step time (s) that SpecForge logs after its first log window."""
     from transformers import AutoConfig
 
-    tpath = sft.target_dir(cfg)
+    tpath = target_dir(cfg)
     tconf = AutoConfig.from_pretrained(tpath)
-    mask = sft.resolve_mask_token_id(cfg, tconf)
-    dcfg = sft.make_draft_config(cfg, tconf, mask)
+    mask = resolve_mask_token_id(cfg, tconf)
+    dcfg = make_draft_config(cfg, tconf, mask)
     work.mkdir(parents=True, exist_ok=True)
     dfile = work / "draft_config.json"
-    dfile.write_text(json.dumps(sft.draft_config_dict(dcfg)))
-    run = sft.specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=features,
+    dfile.write_text(json.dumps(draft_config_dict(dcfg)))
+    run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=features,
                                    out_dir=work / "ckpt", num_samples=n, mask_token_id=mask, gpus=0)
     run["training"].update(log_interval=log_interval, save_interval=10 * steps)
     import yaml
@@ -117,7 +121,7 @@ def main() -> None:
     apply_threads(base.target.threads)
     from safetensors import safe_open
 
-    tpath = Path(sft.target_dir(base))
+    tpath = Path(target_dir(base))
     with safe_open(str(tpath / "model.safetensors"), "pt") as f:
         weight = f.get_tensor("model.embed_tokens.weight")  # tied: the lm_head
     vocab, hidden = weight.shape
@@ -135,12 +139,12 @@ def main() -> None:
                 positions = min(a, args.response - 1) * base.draft.block_size
                 step = specforge_step_s(cfg, work / f"a{a}", work / "features", args.samples, args.steps, args.log_interval)
                 ceil = lm_head_ceiling_s(weight, positions, torch_dtype)
-                row = {"dtype": dt, "num_anchors": a, "positions_per_step": positions,
+                row = {"dtype": dt, "precision": resolve_sft(dt, base.target.dtype, "cpu").record(), "num_anchors": a, "positions_per_step": positions,
                        "specforge_positions_per_s": positions / step, "lm_head_ceiling_positions_per_s": positions / ceil,
                        "fraction_of_ceiling": ceil / step}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    result = {"threads": torch.get_num_threads(), "steps": args.steps, "seq": args.seq, "response": args.response,
+    result = {"machine": machine_info(), "threads": torch.get_num_threads(), "steps": args.steps, "seq": args.seq, "response": args.response,
               "vocab": vocab, "hidden": hidden, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -63,7 +63,9 @@ def main() -> int:
         d = load_drafter(curve[step]["export"], target_config=b.model.config)
         rows.append({"step": step, "train_tau": sets["train"].tau(d), "validation_tau": curve[step]["tau"]})
         print(rows[-1], flush=True)
-    res = {"config": args.config, "run": run.name, "train_prompts": len(sets["train"].prompts),
+    from specforge_opd.precision import machine_info
+
+    res = {"machine": machine_info(), "config": args.config, "run": run.name, "train_prompts": len(sets["train"].prompts),
            "validation_prompts": len(sets["validation"].prompts), "ngram": ngram, "points": rows}
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

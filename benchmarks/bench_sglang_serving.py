@@ -78,7 +78,9 @@ def main(argv=None) -> int:
         recs = eval_prompts(name, limit=a.num_prompts)
         sets[name] = [tok(render_prompt(tok, r.messages or [{"role": "user", "content": r.prompt}], thinking=a.thinking), add_special_tokens=False).input_ids for r in recs]
     cfg = SGLangConfig(python=a.sglang_python, max_total_tokens=a.max_total_tokens, startup_timeout_s=1800)
-    result = {"target": a.target, "drafter": a.drafter, "block_size": a.block_size, "runs": {}}
+    from specforge_opd.precision import machine_info
+
+    result = {"machine": machine_info(), "target": a.target, "drafter": a.drafter, "block_size": a.block_size, "runs": {}}
     for mode in ("plain", "native"):
         args = lambda port, mode=mode: server_args(cfg, model_path=a.target, port=port, mode=mode, draft_path=a.drafter, block_size=a.block_size)
         if mode == "native":

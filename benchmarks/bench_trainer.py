@@ -75,7 +75,9 @@ def main() -> None:
         loss.backward()
         drafter.zero_grad(set_to_none=True)
 
-    results = {"dims": {"hidden": args.hidden, "vocab": args.vocab, "draft_layers": args.draft_layers, "seq": T, "blocks": M, "block_size": bs,
+    from specforge_opd.precision import machine_info
+
+    results = {"machine": machine_info(), "dims": {"hidden": args.hidden, "vocab": args.vocab, "draft_layers": args.draft_layers, "seq": T, "blocks": M, "block_size": bs,
                         "threads": torch.get_num_threads()}}
     sf_s = _time(specforge_step, args.reps)
     results["specforge_sft_positions_per_s"] = M * bs / sf_s

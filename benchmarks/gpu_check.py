@@ -108,6 +108,9 @@ def section_env(args, out: Section) -> None:
         "pydantic": pydantic.__version__, "pydantic_from": pydantic.__file__, "specforge_from": specforge.__file__,
         "cuda_available": torch.cuda.is_available(),
     }
+    from specforge_opd.precision import machine_info
+
+    info["machine"] = machine_info()
     if site:
         info["wheels_from_site_dir"] = all(str(Path(info[k]).resolve()).startswith(str(Path(site).resolve())) for k in ("pydantic_from", "specforge_from"))
     if torch.cuda.is_available():

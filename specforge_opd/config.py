@@ -165,8 +165,11 @@ class TrainingConfig(Section):
     keep_checkpoints: int = Field(default=2, gt=0)
     #: OPD trainer: "auto" = bf16 params/compute on GPUs (fp32 master weights and
     #: gradient reduction), fp32 on CPUs. SFT stage: the drafter's SpecForge
-    #: ``torch_dtype`` and the stored features' dtype ("auto" = ``target.dtype``;
-    #: "bf16" trains bf16 weights with SpecForge's fp32 master copies, on CPUs too).
+    #: ``torch_dtype`` and the stored features' dtype ("auto" = ``target.dtype`` on GPUs;
+    #: on CPUs bf16 only where the CPU computes it natively, AVX512-BF16 or AMX, else fp32;
+    #: "bf16" trains bf16 weights with SpecForge's fp32 master copies, on CPUs too, with a
+    #: warning where bf16 is emulated). Resolved by ``specforge_opd.precision``; every run
+    #: prints the choice and records it.
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
     #: OPD trainer: reshuffle the records every epoch (seeded by training.seed + epoch).
     shuffle: bool = True

@@ -54,5 +54,7 @@ def tiny_cfg(out: Path, **over):
         "sft.chunk_prompts=4", "sft.verify_prompts=2", "sft.verify_max_new_tokens=12", "training.num_anchors=4",
         "training.learning_rate=1e-3", "training.log_interval=1", "output.tensorboard=false",
         "data.max_prompt_tokens=32",
+        # fp32 whatever the CPU: "auto" would train bf16 on one machine and fp32 on another
+        "training.mixed_precision=fp32",
     ]
     return load_config(None, base + [f"{k}={v}" for k, v in over.items()])

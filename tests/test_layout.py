@@ -98,3 +98,55 @@ def test_benchmarks_and_scripts_import_names_that_exist():
         for m in re.finditer(r"^\s*from (specforge_opd[\w.]*) import ([\w, ]+)$", f.read_text(), flags=re.M):
             check(f.name, m.group(1), [x.strip().split(" as ")[0] for x in m.group(2).split(",") if x.strip()])
     assert not missing, missing
+
+
+def _module_bindings(tree: ast.AST) -> dict[str, str]:
+    """Names bound to a ``specforge_opd`` module anywhere in ``tree`` -> that module's dotted name."""
+    import importlib.util
+
+    def is_module(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("specforge_opd"):
+                    out[a.asname or a.name.split(".")[0]] = a.name if a.asname else "specforge_opd"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specforge_opd") and not node.level:
+            for a in node.names:
+                if is_module(f"{node.module}.{a.name}"):
+                    out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def test_attributes_reached_through_a_module_exist():
+    """``sft.feature_path`` after ``from specforge_opd.stages import sft`` is not an import, so the check above
+    missed it when the name moved (bench_sft.py failed with AttributeError at once): every ``module.name`` that the
+    benchmarks, scripts, tests and the package reach through a specforge_opd module resolves."""
+    import importlib
+
+    root = PKG.parent
+    missing = []
+    files = [*sorted((root / "benchmarks").glob("*.py")), *sorted((root / "scripts").glob("*.py")),
+             *sorted((root / "tests").glob("*.py")), *sorted(PKG.rglob("*.py"))]
+    for f in files:
+        tree = ast.parse(f.read_text())
+        bound = _module_bindings(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound):
+                continue
+            if isinstance(node.ctx, ast.Store):
+                continue
+            modname = bound[node.value.id]
+            mod = importlib.import_module(modname)
+            if hasattr(mod, node.attr):
+                continue
+            try:
+                importlib.import_module(f"{modname}.{node.attr}")
+            except ImportError:
+                missing.append(f"{f.relative_to(root)}:{node.lineno}: {modname}.{node.attr}")
+    assert not missing, missing

@@ -417,6 +417,13 @@ def test_bf16_drafter_training_on_cpu(tmp_path, chat_render):
     run = yaml.safe_load(next((tmp_path / "run").glob("train-*/run.yaml")).read_text())
     assert run["model"]["torch_dtype"] == "bfloat16"
     load_drafter(final, target_config=bundle.model.config)
+    # the choice and the machine are on record, in the report and in the export
+    report = json.loads((tmp_path / "run" / "sft_report.json").read_text())
+    assert report["precision"]["requested"] == "bf16" and report["precision"]["value"] == "bf16"
+    assert {"cpu_model", "cpu_capability", "cpu_bf16_native"} <= set(report["machine"])
+    from specforge_opd.models.drafter import read_drafter_metadata
+
+    assert read_drafter_metadata(final)["precision"]["value"] == "bf16"
     # fp32 features of the same responses live under another key
     cfg32 = tiny_cfg(tmp_path / "run", **{"sft.verify_prompts": 1})
     sft.run_sft(cfg32, bundle=bundle, prompts=make_prompts(6), target_path=bundle.path)

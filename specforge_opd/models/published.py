@@ -159,7 +159,9 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
         "commit": source_commit(),
         "target_identity": meta.get("target_identity"),
         "target_dtype": meta.get("target_dtype"),
-        "training_dtype": cfg.training.mixed_precision,
+        # the precision the export was trained in (its own record), else the config's
+        "training_dtype": (meta.get("precision") or {}).get("value", cfg.training.mixed_precision),
+        "machine": meta.get("machine"),
         "samples": meta.get("samples"),
         "selected_step": meta["validation"]["selected_step"],
         "last_step": max(p["step"] for p in curve),

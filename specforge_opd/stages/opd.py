@@ -416,6 +416,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             "L_rej": res.last_metrics.get("L_rej"),
             "accepted_fraction": res.last_metrics.get("accepted_fraction"),
             "policy_lag": res.last_metrics.get("policy_lag"),
+            "mixed_precision": res.last_metrics.get("mixed_precision"),
             "spool_bytes": spool_bytes,
             "output_bytes": dir_bytes(out),
             "flops": flops.to_dict(),

@@ -43,9 +43,10 @@ from specforge_opd.eval.flops import FlopsLedger, sft_flops
 from specforge_opd.models.draft_config import draft_config_dict, make_draft_config, resolve_mask_token_id
 from specforge_opd.models.export_check import verify_export
 from specforge_opd.models.target import target_dir
+from specforge_opd.precision import announce, machine_info
 from specforge_opd.rollout.responses import read_responses, run_responses
 from specforge_opd.stages.plan import estimate_sft
-from specforge_opd.stages.sft_features import MIN_SUPERVISED_TOKENS, drafter_dtype, run_features
+from specforge_opd.stages.sft_features import MIN_SUPERVISED_TOKENS, drafter_dtype, run_features, sft_precision
 from specforge_opd.stages.sft_train import (
     _publish_launch,
     follow_node0,
@@ -172,6 +173,8 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     """
     out = Path(cfg.resolve_path(cfg.output.dir))
     out.mkdir(parents=True, exist_ok=True)
+    precision = sft_precision(cfg)
+    announce(precision, "sft")
     tpath = target_path or target_dir(cfg)
     timings: dict[str, float] = {}
     skipped: list[str] = []
@@ -335,14 +338,16 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
                                              "samples": n_samples,
                                              "step": step, "verify": verify,
                                              "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict(),
-                                             "validation": validation},
+                                             "validation": validation, "precision": precision.record(),
+                                             "machine": machine_info()},
                      dtype=cfg.target.dtype)
         from specforge_opd.models.drafter import load_drafter
 
         load_drafter(final, target_config=target_config, target_dtype=cfg.target.dtype)  # the export must load back through the public loader
     timings["export"] = time.time() - t0
 
-    report = {"final": str(final), "timings_s": timings, "skipped": skipped, "verify": verify,
+    report = {"final": str(final), "precision": precision.record(), "machine": machine_info(),
+              "timings_s": timings, "skipped": skipped, "verify": verify,
               "validation": None if chosen is None else {"selected": chosen, "curve": train_stats["curve"]},
               "disk_bytes": {d.name: dir_bytes(d) for d in (r_dir, f_dir, t_dir, final)}}
     report["disk_bytes"]["total"] = dir_bytes(out)

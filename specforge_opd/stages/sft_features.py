@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from specforge_opd.atomic import atomic_write, atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.rollout.responses import ResponseRecord
 from specforge_opd.stepkeys import SFTError
+
+if TYPE_CHECKING:
+    from specforge_opd.precision import Precision
 
 #: Feature files per ``rows_*`` directory (keeps directories listable at 100K samples).
 ROWS_PER_DIR = 1000
@@ -44,15 +47,24 @@ def supervised_tokens(rec: ResponseRecord, max_context: int) -> int:
     return max(0, min(len(rec.prompt_ids) + len(rec.response_ids), max_context) - len(rec.prompt_ids))
 
 
-def drafter_dtype(cfg: ExperimentConfig) -> str:
-    """The SFT drafter's training dtype, which is also the stored features' dtype.
+def sft_precision(cfg: ExperimentConfig) -> "Precision":
+    """``training.mixed_precision`` resolved for the SFT stage on this machine (``precision.resolve_sft``).
 
-    ``training.mixed_precision``: "bf16" -> "bfloat16", "fp32" -> "float32",
-    "auto" -> ``target.dtype``. SpecForge's offline DFlash path feeds the stored
-    features straight into the drafter's ``fc``, so they must share its dtype.
+    ``auto``: ``target.dtype`` on a GPU; on a CPU bf16 only where the CPU computes bf16
+    natively (AVX512-BF16/AMX), fp32 otherwise.
     """
-    mp = cfg.training.mixed_precision
-    return {"bf16": "bfloat16", "fp32": "float32"}.get(mp, cfg.target.dtype)
+    from specforge_opd.precision import resolve_sft
+
+    return resolve_sft(cfg.training.mixed_precision, cfg.target.dtype, cfg.target.device)
+
+
+def drafter_dtype(cfg: ExperimentConfig) -> str:
+    """The SFT drafter's training dtype, which is also the stored features' dtype: ``sft_precision(cfg).dtype``.
+
+    SpecForge's offline DFlash path feeds the stored features straight into the
+    drafter's ``fc``, so they must share its dtype.
+    """
+    return sft_precision(cfg).dtype
 
 
 def build_feature_sample(model, rec: ResponseRecord, layer_ids: list[int], max_context: int,

@@ -25,7 +25,7 @@ from typing import Optional
 
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_json
 from specforge_opd.config import ConfigError, ExperimentConfig
-from specforge_opd.stages.sft_features import drafter_dtype
+from specforge_opd.stages.sft_features import drafter_dtype, sft_precision
 from specforge_opd.stepkeys import SFTError
 
 #: SpecForge run id: checkpoints are ``<train dir>/checkpoints/sft-step<N>`` and ``sft-latest``.
@@ -154,16 +154,21 @@ SFT_TRAINING_FIELDS = ("learning_rate", "lr_scheduler", "warmup_ratio", "max_gra
 
 
 def sft_training_inputs(cfg: ExperimentConfig) -> dict:
-    """The ``training`` part of the SFT train step's key: ``SFT_TRAINING_FIELDS`` only."""
-    return {k: getattr(cfg.training, k) for k in SFT_TRAINING_FIELDS}
+    """The ``training`` part of the SFT train step's key: ``SFT_TRAINING_FIELDS`` only.
+
+    ``mixed_precision`` enters resolved (``sft_precision``): ``auto`` trains bf16 on one CPU and
+    fp32 on another, and a run moved between them must not resume the other's checkpoints.
+    """
+    inputs = {k: getattr(cfg.training, k) for k in SFT_TRAINING_FIELDS}
+    inputs["mixed_precision"] = sft_precision(cfg).value
+    return inputs
 
 
 def on_gpu(cfg: ExperimentConfig) -> bool:
     """Whether the SFT stage trains on GPUs: ``target.device`` ``auto`` with CUDA available, or ``cuda*``."""
-    import torch
+    from specforge_opd.precision import uses_cuda
 
-    dev = cfg.target.device
-    return (dev == "auto" and torch.cuda.is_available()) or dev.startswith("cuda")
+    return uses_cuda(cfg.target.device)
 
 
 def gpu_count() -> int:

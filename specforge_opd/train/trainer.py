@@ -58,6 +58,7 @@ from specforge_opd.models.drafter import (
     load_drafter,
     read_drafter_metadata,
 )
+from specforge_opd.precision import announce, machine_info, resolve_trainer
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.train.checkpoint import (
     CheckpointError,
@@ -501,7 +502,10 @@ def distill(
         fingerprint = data_fingerprint(records, order)
 
         # 3. sharding, optimizer, schedule, resume
-        bf16 = tc.mixed_precision == "bf16" or (tc.mixed_precision == "auto" and device.type == "cuda")
+        precision = resolve_trainer(tc.mixed_precision, device.type)
+        if rank == 0:
+            announce(precision, "distill")
+        bf16 = precision.value == "bf16"
         if dist.is_initialized():
             drafter = _shard(drafter, device, bf16)
         else:
@@ -550,7 +554,8 @@ def distill(
                 print(f"distill: {ckpt} is already at the last step {step}/{total}; no step left to train (use a fresh --out for a new run)", file=sys.stderr)
             if not (export_dir / "config.json").is_file():
                 export_drafter(drafter, export_dir, metadata={"step": drafter_step0 + step, "opd_steps": step,
-                                                               "target_dtype": cfg.target.dtype}, dtype=cfg.target.dtype)
+                                                               "target_dtype": cfg.target.dtype,
+                                                               "precision": precision.record()}, dtype=cfg.target.dtype)
             return DistillResult(out, export_dir, step, total, 0, drafter_step0 + step, skipped_total, already_complete=True)
 
         # 4. the loop
@@ -648,6 +653,7 @@ def distill(
                 "sequences": len(batch),
                 "nonfinite_skipped": skipped_total,
                 "skipped": not finite,
+                "mixed_precision": precision.value,
             }
             if step % tc.log_interval == 0 or step == total:
                 metrics.log(last)
@@ -665,6 +671,7 @@ def distill(
 
         # 5. export
         meta = {"step": drafter_step0 + step, "opd_steps": step, "target_dtype": cfg.target.dtype, "loss": tc.loss, "combine": tc.combine, "nonfinite_skipped": skipped_total,
+                "precision": precision.record(), "machine": machine_info(),
                 "flops": _replay_flops(drafter.config, records, cfg.rollout.teacher, step / max(1, order.steps_per_epoch)).to_dict()}
         export_drafter(drafter, export_dir, metadata=meta, dtype=cfg.target.dtype)
         return DistillResult(out, export_dir, step, total, steps_run, drafter_step0 + step, skipped_total, last_metrics=last)
