@@ -74,6 +74,7 @@ def test_without_flags_the_timed_probe_decides(cpu, monkeypatch):
 
 def test_the_probe_measures_once_per_machine_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECFORGE_OPD_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision, "_PROBE_SHAPE", (8, 64, 256))  # emulated bf16 is slow: keep the test short
     ratio = precision.bf16_slowdown(1)
     assert ratio > 0
     cached = json.loads((tmp_path / "cpu_bf16_probe.json").read_text())
@@ -165,3 +166,22 @@ def test_machine_info_names_the_cpu_and_its_bf16():
     info = precision.machine_info()
     assert {"cpu_model", "cpu_capability", "cpu_bf16_native", "cpu_bf16_reason", "threads", "cores", "torch"} <= set(info)
     assert isinstance(info["cpu_bf16_native"], bool) and info["threads"] >= 1
+
+
+def test_a_dry_run_plans_the_precision_of_the_device_it_plans_for(cpu, tmp_path):
+    """A laptop's --dry-run of a cluster config (target.device auto) plans the GPU run: features in target.dtype;
+    a CPU config (target.device cpu) plans this CPU's choice."""
+    from specforge_opd.models.drafter import derive_draft_config
+    from specforge_opd.stages.plan import estimate_sft
+    from tests.conftest import make_tiny_target
+
+    tconf = make_tiny_target().config
+    dconf = derive_draft_config(tconf, num_hidden_layers=1, block_size=4, mask_token_id=96)
+    cpu(EPYC)
+    gpu_plan = estimate_sft(tiny_cfg(tmp_path, **{"training.mixed_precision": "auto", "target.dtype": "bfloat16",
+                                                  "target.device": "auto"}), tconf, dconf, 4)
+    cpu_plan = estimate_sft(tiny_cfg(tmp_path, **{"training.mixed_precision": "auto", "target.dtype": "bfloat16",
+                                                  "target.device": "cpu"}), tconf, dconf, 4)
+    assert gpu_plan["precision"]["value"] == "bf16" and gpu_plan["precision"]["device"] == "cuda"
+    assert cpu_plan["precision"]["value"] == "fp32"
+    assert cpu_plan["feature_bytes_per_sample_max"] > gpu_plan["feature_bytes_per_sample_max"]

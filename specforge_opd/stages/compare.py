@@ -132,7 +132,10 @@ def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_sec
         rows.append({"drafter": n, "tau": taus, "mean_tau": sum(taus.values()) / len(taus),
                      "drafter_flops": (d.get("flops") or {}).get("drafter_budget")})
     e = result["eval"]
-    return {"rows": rows, "seeds": list(seeds), "commit": commit, "stage_seconds": dict(stage_seconds),
+    from specforge_opd.precision import machine_info
+
+    # stage_seconds depend on the CPU (bf16 is native on some): the machine goes with them
+    return {"rows": rows, "seeds": list(seeds), "commit": commit, "stage_seconds": dict(stage_seconds), "machine": machine_info(),
             "eval": {"method": result["method"], "num_prompts": e["num_prompts"], "max_new_tokens": e["max_new_tokens"],
                      "block_size": result["drafters"][names[-1]]["block_size"]},
             **(extra or {})}

@@ -298,22 +298,31 @@ def estimate_rank_memory(cfg: ExperimentConfig, target_config, world: int = 1, *
     return out
 
 
-def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Optional[int]) -> dict:
+def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Optional[int],
+                 on_gpu: Optional[bool] = None) -> dict:
     """Upper-bound memory and disk estimates of the SFT stage (bytes; no weights loaded).
 
     Returns ``{"target_params", "target_weights_bytes", "drafter_params",
     "train_memory_bytes_per_rank", "feature_bytes_per_sample_max", "features_disk_bytes_max",
-    "responses_disk_bytes_max", "max_sequence_tokens"}`` (the two disk totals None without
+    "responses_disk_bytes_max", "max_sequence_tokens", "precision"}`` (the two disk totals None without
     ``num_prompts``).
 
     Sequences are assumed to fill ``data.max_prompt_tokens + sft.max_new_tokens``
     (capped by ``target.max_context``). Features: S * n_layers * H * bytes of the
-    drafter's dtype (``drafter_dtype``) per sample. Train: fp32 drafter weights + grads + Adam moments (16 B/param),
+    drafter's dtype (``resolve_sft`` for the planned device) per sample. Train: fp32 drafter weights + grads + Adam moments (16 B/param),
     the frozen embedding and lm_head in the run dtype, and SpecForge's DFlash
     logits chunk of min(num_anchors, 128) blocks * block_size * vocab fp32 (x3 for
     softmax and its gradient).
+
+    ``on_gpu``: plan for GPUs (None: unless ``target.device`` is ``cpu``, so a laptop's
+    ``--dry-run`` of a cluster config plans the cluster's run). ``precision`` in the result
+    is ``training.mixed_precision`` resolved for that device (``precision.resolve_sft``).
     """
-    from specforge_opd.stages.sft_features import drafter_dtype
+    from specforge_opd.precision import resolve_sft
+
+    if on_gpu is None:
+        on_gpu = cfg.target.device != "cpu"
+    precision = resolve_sft(cfg.training.mixed_precision, cfg.target.dtype, "cuda" if on_gpu else "cpu")
 
     t = getattr(target_config, "text_config", target_config)
     H, V, L = int(t.hidden_size), int(t.vocab_size), int(t.num_hidden_layers)
@@ -333,7 +342,7 @@ def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts
     draft_params = dl * (d_attn + 3 * H * d_inter) + n_ids * H * H
     blocks = min(cfg.training.num_anchors, 128)
     logits = blocks * draft_config.block_size * V * 4 * 3
-    per_sample = S * (n_ids * H * _DTYPE_BYTES[drafter_dtype(cfg)] + 16)
+    per_sample = S * (n_ids * H * _DTYPE_BYTES[precision.dtype] + 16)
     n = num_prompts
     return {
         "target_params": target_params,
@@ -344,4 +353,5 @@ def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts
         "features_disk_bytes_max": per_sample * n if n else None,
         "responses_disk_bytes_max": S * 8 * n if n else None,
         "max_sequence_tokens": S,
+        "precision": precision.record(),
     }

@@ -411,6 +411,8 @@ def dry_run(cfg: ExperimentConfig) -> dict:
     print("  draft config:")
     print("    " + json.dumps(draft_config_dict(dcfg), sort_keys=True).replace(", \"", ",\n    \""))
     print(f"  drafter params {est['drafter_params'] / 1e6:.1f}M; target params {est['target_params'] / 1e9:.2f}B")
+    p = est["precision"]
+    print(f"  precision: training.mixed_precision={p['requested']} -> {p['value']} on {p['device']} ({p['reason']})")
     return {"draft_config": draft_config_dict(dcfg), "estimate": est}
 
 
