@@ -1,14 +1,25 @@
-"""Rollout throughput: speculative rollout vs the target's plain autoregressive decoding (issue 3).
+"""OPD rollout throughput against batch size: fixed length-bucketed batches (before) and one continuous batch (after).
 
-On the embedded SmolLM2 target, at each batch size, measured side by side in one
-run on the same prompts: generated tokens per second of
-``SpeculativeEngine.generate`` and of ``autoregressive_generate``, the pooled
-tau, and the ideal speedup ``tau * t_decode / (t_verify + t_draft)`` (per batch
-step times measured in the same run). Measured speedup within 15% of the ideal
-means the engine adds little of its own. A random drafter (default) has tau ~ 1;
-pass ``--drafter DIR`` for a trained one.
+On the embedded SmolLM2 target with the published drafter (``--drafter``), the OPD prompt
+pool of ``--config`` (its rollout settings: max_new_tokens, teacher form, stored features,
+stop tokens), measured side by side in one run for each batch size:
 
-    .venv/bin/python benchmarks/bench_rollout.py [--drafter DIR] [--batch 1 8] [--max-new-tokens 64]
+- ``before``: the prompts cut into length-bucketed batches of B (``length_batches``), each
+  decoded until its last row ends (finished rows leave; nothing takes their place);
+- ``after``: one continuous batch of B rows (``generate(..., batch_size=B)``): rows that end
+  are refilled from the queue.
+
+Per row: rollout tokens/s (completion tokens over wall time, prefill included), tau, the
+ideal speedup over plain decoding ``tau * t_decode / (t_verify + t_draft)`` with
+``t_decode`` a plain decode step at the same batch (``autoregressive_generate``, measured
+here), the measured speedup (spec tok/s over plain tok/s on the same prompts, both
+continuous) and their ratio; and the compute bound: the run's target and drafter FLOPs per
+rollout token (``eval/flops.py``) at the rate of one 2048^3 matmul measured in the same run.
+Both modes must give equal records (tokens, anchors, drafts, accepted counts).
+
+Run alone on a quiet machine:
+
+    .venv/bin/python benchmarks/bench_rollout.py [--batch 4 8 16 32] [--prompts 48] [--json OUT]
 """
 
 from __future__ import annotations
@@ -16,89 +27,126 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def matmul_gflops(n: int = 2048, reps: int = 3) -> float:
+    """The rate of one n^3 fp32 matmul on this machine (GFLOP/s, best of ``reps``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def rollout_flops(target_config, draft_config, records) -> float:
+    """Target verify/prefill FLOPs plus drafter FLOPs (one forward per block over its new context) of the records."""
+    from specforge_opd.eval.flops import drafter_forward_flops, rollout_target_flops
+
+    total = 0.0
+    for r in records:
+        bs = r.block_size
+        total += rollout_target_flops(target_config, prompt_len=r.prompt_len, anchors=r.anchors.tolist(), block_size=bs)
+        prev = 0
+        for a in r.anchors.tolist():
+            total += drafter_forward_flops(draft_config, query_slots=bs, context_rows=a - prev, attended_keys=bs * (a + bs),
+                                           lm_head_slots=bs - 1)["total"]
+            prev = a
+    return total
+
+
+def same_records(x, y) -> bool:
+    return all(a.sample_id == b.sample_id and torch.equal(a.input_ids, b.input_ids) and torch.equal(a.anchors, b.anchors)
+               and torch.equal(a.drafts, b.drafts) and torch.equal(a.accepted, b.accepted) for a, b in zip(x, y)) and len(x) == len(y)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", help="HF DFlash drafter directory (default: a random 1-layer drafter)")
-    ap.add_argument("--block-size", type=int, default=16, help="block size of the random drafter")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--config", default=str(ROOT / "configs/tiny/opd.yaml"))
+    ap.add_argument("--drafter", default="published:smollm2-135m-instruct-dflash-b8")
+    ap.add_argument("--batch", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--prompts", type=int, default=48, help="prompts of the OPD pool rolled out per measurement")
+    ap.add_argument("--modes", nargs="+", default=["before", "after"], choices=["before", "after"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specforge_opd.config import RolloutConfig
-    from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID, ensure_target
+    from specforge_opd.config import load_config
     from specforge_opd.data.chat import render_prompt
-    from specforge_opd.data.prompts import eval_prompts
-    from specforge_opd.models.drafter import build_drafter, derive_draft_config, drafter_mask_token_id, load_drafter
-    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
+    from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
+    from specforge_opd.models.target import load_target
+    from specforge_opd.precision import machine_info
+    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate, length_batches
+    from specforge_opd.rollout.records import tau_of
+    from specforge_opd.stages.opd import _pool
 
-    path = ensure_target(progress=False)
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    if args.drafter:
-        drafter = load_drafter(args.drafter, target_config=target.config).eval()
-    else:
-        dcfg = derive_draft_config(target.config, num_hidden_layers=1, block_size=args.block_size, mask_token_id=EMBEDDED_MASK_TOKEN_ID)
-        drafter = build_drafter(dcfg, seed=0).eval()
-    mask = drafter_mask_token_id(drafter)
-    recs = eval_prompts("mtbench", limit=max(args.batch))
-    prompts = [tok(render_prompt(tok, r.chat_messages(), thinking=False), add_special_tokens=False)["input_ids"] for r in recs]
-    # no stop tokens: both decoders produce exactly max_new_tokens per row, so tokens/s compare like for like
-    rc = RolloutConfig(max_new_tokens=args.max_new_tokens, teacher="token")
-    engine = SpeculativeEngine(target, drafter, rc, stop_token_ids=[], mask_token_id=mask)
-    # warm up both paths (allocator, thread pools)
-    engine.generate(prompts[:1])
-    autoregressive_generate(target, prompts[:1], 4, [])
+    cfg = load_config(args.config, [])
+    bundle = load_target(cfg.target)
+    tok = bundle.tokenizer
+    drafter = load_drafter(args.drafter, target_config=bundle.model.config).eval()
+    pool, _ = _pool(cfg, tokenizer=tok)
+    prompts = [tok(render_prompt(tok, p.chat_messages(), thinking=cfg.target.thinking), add_special_tokens=False)["input_ids"]
+               for p in pool][: args.prompts]
+    ids = [str(p.id) for p in pool][: args.prompts]
+    rc = cfg.rollout
+    engine = SpeculativeEngine(bundle.model, drafter, rc, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
+                               max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk)
+    engine.generate(prompts[:2], ids[:2])  # warm-up: allocator, packed weights, thread pools
+    gflops = matmul_gflops()
 
     rows = []
+    reference = None
     for B in args.batch:
-        batch = prompts[:B]
         ar_stats: dict = {}
         t = time.perf_counter()
-        ar = autoregressive_generate(target, batch, args.max_new_tokens, [], stats=ar_stats)
-        t_ar = time.perf_counter() - t
-        ar_tokens = sum(len(o) for o in ar)
-        t = time.perf_counter()
-        out = engine.generate(batch)
-        t_spec = time.perf_counter() - t
-        st = engine.stats
-        spec_tokens = sum(r.completion_tokens for r in out)
-        tau = spec_tokens / st["verify_steps"]
-        steps = st["batch_steps"]
+        ar = autoregressive_generate(bundle.model, prompts, rc.max_new_tokens, bundle.stop_token_ids, sample_ids=ids,
+                                     batch_size=B, stats=ar_stats, prefill_chunk=cfg.target.prefill_chunk)
+        ar_tok_s = sum(len(o) for o in ar) / (time.perf_counter() - t)
         t_decode = ar_stats["t_decode"] / max(ar_stats["decode_steps"], 1)
-        t_verify, t_draft = st["t_verify"] / steps, st["t_draft"] / steps
-        ideal = tau * t_decode / (t_verify + t_draft)
-        measured = (spec_tokens / t_spec) / (ar_tokens / t_ar)
-        lossless = all(r.input_ids[r.prompt_len:].tolist() == o for r, o in zip(out, ar))
-        rows.append(
-            {
-                "batch": B, "block_size": engine.block_size, "max_new_tokens": args.max_new_tokens,
-                "ar_tok_s": ar_tokens / t_ar, "spec_tok_s": spec_tokens / t_spec, "tau": tau,
-                "t_decode_ms": 1e3 * t_decode, "t_verify_ms": 1e3 * t_verify, "t_draft_ms": 1e3 * t_draft,
-                "t_other_ms": 1e3 * st["t_other"] / steps, "t_prefill_spec_s": st["t_prefill"], "t_prefill_ar_s": ar_stats["t_prefill"],
-                "ideal_speedup": ideal, "measured_speedup": measured, "measured_over_ideal": measured / ideal,
-                "greedy_outputs_equal": lossless,
-            }
-        )
-    hdr = f"{'B':>3} {'AR tok/s':>9} {'spec tok/s':>10} {'tau':>6} {'decode ms':>9} {'verify ms':>9} {'draft ms':>8} {'ideal x':>8} {'measured x':>10} {'meas/ideal':>10} equal"
-    print(hdr)
-    for r in rows:
-        print(f"{r['batch']:>3} {r['ar_tok_s']:>9.1f} {r['spec_tok_s']:>10.1f} {r['tau']:>6.2f} {r['t_decode_ms']:>9.1f} "
-              f"{r['t_verify_ms']:>9.1f} {r['t_draft_ms']:>8.1f} {r['ideal_speedup']:>8.2f} {r['measured_speedup']:>10.2f} "
-              f"{r['measured_over_ideal']:>10.2f} {r['greedy_outputs_equal']}")
+        row = {"batch": B, "prompts": len(prompts), "ar_tok_s": ar_tok_s, "t_decode_ms": 1e3 * t_decode}
+        for mode in args.modes:
+            t = time.perf_counter()
+            if mode == "before":
+                recs, st = [], {"verify_steps": 0, "batch_steps": 0, "t_verify": 0.0, "t_draft": 0.0}
+                by_id = {}
+                for idx in length_batches([len(p) for p in prompts], B):
+                    for r in engine.generate([prompts[i] for i in idx], [ids[i] for i in idx]):
+                        by_id[r.sample_id] = r
+                    for k in st:
+                        st[k] += engine.stats[k]
+                recs = [by_id[s] for s in ids if s in by_id]
+            else:
+                recs = engine.generate(prompts, ids, batch_size=B)
+                st = engine.stats
+            wall = time.perf_counter() - t
+            toks = sum(r.completion_tokens for r in recs)
+            tau = tau_of(recs)
+            steps = max(st["batch_steps"], 1)
+            ideal = tau * t_decode / ((st["t_verify"] + st["t_draft"]) / steps)
+            measured = (toks / wall) / ar_tok_s
+            bound = gflops * 1e9 / (rollout_flops(bundle.model.config, drafter.config, recs) / toks)
+            reference = reference or recs
+            row[mode] = {"tok_s": toks / wall, "tau": tau, "seconds": wall, "tokens": toks,
+                         "t_verify_ms": 1e3 * st["t_verify"] / steps, "t_draft_ms": 1e3 * st["t_draft"] / steps,
+                         "ideal_speedup": ideal, "measured_speedup": measured, "measured_over_ideal": measured / ideal,
+                         "compute_bound_tok_s": bound, "of_compute_bound": (toks / wall) / bound,
+                         "records_equal_first_run": same_records(recs, reference)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    best = max(rows, key=lambda r: r.get("after", r.get("before"))["tok_s"])
+    result = {"machine": machine_info(), "config": args.config, "drafter": args.drafter, "matmul_gflops": gflops,
+              "max_new_tokens": rc.max_new_tokens, "teacher": rc.teacher, "rows": rows, "best_batch_after": best["batch"]}
+    print(f"best batch (after): {best['batch']}")
     if args.json:
-        with open(args.json, "w") as f:
-            from specforge_opd.precision import machine_info
-
-            json.dump({"machine": machine_info(), "rows": rows}, f, indent=2)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

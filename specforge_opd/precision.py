@@ -231,7 +231,7 @@ def _cpu_choice(requested: str, device: str) -> Precision:
     native, why = cpu_bf16_native()
     if requested == "auto":
         value: Value = "bf16" if native else "fp32"
-        return Precision(requested, value, device, f"auto on a CPU {'with' if native else 'without'} native bf16 ({why})", native)
+        return Precision(requested, value, device, f"auto on a CPU {'with' if native else 'without'} native bf16: {why}", native)
     return Precision(requested, requested, device, "set explicitly", native, warn=requested == "bf16" and not native)  # type: ignore[arg-type]
 
 

@@ -40,14 +40,14 @@ class OracleEngine(SpeculativeEngine):
     corrupt = 0.25
     oracle_seed = 0
 
-    def generate(self, prompts, sample_ids=None, drafter_step=0):
+    def generate(self, prompts, sample_ids=None, drafter_step=0, **kw):
         # at T=0 every row follows the target's greedy path: precompute it once, batched
         self._memo, self._g = {}, torch.Generator().manual_seed(self.oracle_seed)
         self._paths = []
         if self.rcfg.temperature == 0:
             outs = autoregressive_generate(self.target, prompts, self.rcfg.max_new_tokens + self.block_size, [])
             self._paths = [list(p) + o for p, o in zip(prompts, outs)]
-        return super().generate(prompts, sample_ids, drafter_step)
+        return super().generate(prompts, sample_ids, drafter_step, **kw)
 
     def make_drafter(self, target):
         return _OracleDrafter(self, super().make_drafter(target))

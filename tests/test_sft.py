@@ -163,11 +163,11 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
     real_gen = responses.generate_responses
     calls = []
 
-    def gen(bundle_, batch, cfg_, seed, sample_ids=None):
+    def gen(bundle_, batch, cfg_, seed, sample_ids=None, batch_size=None):
         calls.append(list(sample_ids))
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_gen(bundle_, batch, cfg_, seed, sample_ids)
+        return real_gen(bundle_, batch, cfg_, seed, sample_ids, batch_size)
 
     monkeypatch.setattr(responses, "generate_responses", gen)
     with pytest.raises(KeyboardInterrupt):
@@ -176,8 +176,8 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
     assert [f.name for f in sorted(r_dir.glob("chunk_*.jsonl"))] == ["chunk_00000.jsonl"]
     chunk0 = (r_dir / "chunk_00000.jsonl").stat().st_mtime_ns
 
-    # kill during features: the 6th sample's forward dies
-    real_feat = sft_features.build_feature_sample
+    # kill during features: the 6th sample dies (batches of sft.batch_size=4, each file written as its batch ends)
+    real_feat = sft_features.feature_sample
     n_feat = []
 
     def feat(*a, **k):
@@ -188,7 +188,7 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
 
     calls.clear()
     monkeypatch.setattr(responses, "generate_responses", lambda *a, **k: (calls.append(k["sample_ids"]), real_gen(*a, **k))[1])
-    monkeypatch.setattr(sft_features, "build_feature_sample", feat)
+    monkeypatch.setattr(sft_features, "feature_sample", feat)
     with pytest.raises(KeyboardInterrupt):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     # only chunks 1 and 2 were generated; chunk 0 was kept as written
@@ -201,13 +201,14 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
 
     # rerun: the 5 finished samples are kept, the other 5 written, each response exactly once
     n_feat.clear()
-    monkeypatch.setattr(sft_features, "build_feature_sample", lambda *a, **k: (n_feat.append(1), real_feat(*a, **k))[1])
+    monkeypatch.setattr(sft_features, "feature_sample", lambda *a, **k: (n_feat.append(1), real_feat(*a, **k))[1])
     with pytest.raises(_Stop):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     assert len(n_feat) == 5
     files = sorted(f_dir.glob("rows_*/data_*.ckpt"))
     assert [f.name for f in files] == [f"data_{i:08d}.ckpt" for i in range(10)]
-    assert all(files[i].stat().st_mtime_ns == mtimes[files[i].name] for i in range(5))
+    # batches run in length order: the five kept files are whichever were written, untouched
+    assert all(f.stat().st_mtime_ns == mtimes[f.name] for f in files if f.name in mtimes)
     recs = responses.read_responses(r_dir)
     assert [r.id for r in recs] == [f"p{i}" for i in range(10)]
     for f, r in zip(files, recs):

@@ -56,6 +56,11 @@ from specforge_opd.models.drafter import (
 from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
 
 CACHE_VERSION = 1
+#: The trajectory cache fills this many continuous batches' worth of prompts between stores
+#: (longer chunks keep the batch full for longer; each stored chunk survives a kill).
+FILL_CHUNK_BATCHES = 4
+#: Rows per lm_head chunk when the trajectory cache computes top-2 logit gaps.
+GAP_CHUNK = 256
 
 
 class EvalError(ValueError):
@@ -93,11 +98,14 @@ class Trajectory:
         return torch.cat([self.features[i] for i in layer_ids], dim=-1)
 
 
-def _greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int]) -> list[list[int]]:
-    """The target's greedy response tokens per prompt, by the decoder live evaluation's baseline uses."""
+def _greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int],
+                     batch_size: Optional[int] = None) -> list[list[int]]:
+    """The target's greedy response tokens per prompt, by the decoder live evaluation's baseline uses
+    (a continuous batch of ``batch_size`` rows; None: all at once)."""
     from specforge_opd.rollout.engine import autoregressive_generate
 
-    outs = autoregressive_generate(model, prompts, max_new_tokens, list(stop_token_ids), temperature=0.0, seed=0)
+    outs = autoregressive_generate(model, prompts, max_new_tokens, list(stop_token_ids), temperature=0.0, seed=0,
+                                   batch_size=batch_size)
     return [_cut(list(o), max_new_tokens, stop_token_ids) for o in outs]
 
 
@@ -182,31 +190,44 @@ class TrajectoryCache:
 
     @torch.inference_mode()
     def _capture(self, input_ids: torch.Tensor, layer_ids: Iterable[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """One teacher-forced forward over positions 0..T-2 (the last token is never fed to the target)."""
+        """One teacher-forced forward over positions 0..T-2 (the last token is never fed to the target).
+
+        Through the target's runner (``decode.capture``): the requested layers only, and the
+        top-2 logit gap from the final hidden states ``GAP_CHUNK`` rows at a time, so no
+        [T, V] logits tensor or all-layer hidden states are held.
+        """
+        from specforge_opd.rollout.decode import TargetRunner, capture
+
         self.target_calls += 1
-        ids = input_ids[:-1].unsqueeze(0).to(self.model.device)
-        out = self.model(ids, output_hidden_states=True)
-        feats = {int(i): out.hidden_states[int(i) + 1][0].cpu() for i in layer_ids}
-        top2 = out.logits[0].float().topk(2, dim=-1).values
-        return feats, (top2[:, 0] - top2[:, 1]).cpu()
+        layer_ids = [int(i) for i in layer_ids]
+        runner = TargetRunner.of(self.model)
+        ((f, h),) = capture(runner, [input_ids[:-1].tolist()], layer_ids, hidden=True)
+        H = h.shape[-1]
+        feats = {i: f[:, k * H:(k + 1) * H].cpu() for k, i in enumerate(layer_ids)}
+        gaps = []
+        for s in range(0, h.shape[0], GAP_CHUNK):
+            top2 = runner.logits(h[s:s + GAP_CHUNK]).float().topk(2, dim=-1).values
+            gaps.append(top2[:, 0] - top2[:, 1])
+        return feats, torch.cat(gaps).cpu()
 
     def get(self, prompts: list[list[int]], layer_ids: Iterable[int], desc: str = "target trajectories") -> list[Trajectory]:
         """Trajectories for ``prompts`` holding at least ``layer_ids``; computes and stores what is missing.
 
-        Missing trajectories are decoded ``batch_size`` prompts at a time and each
-        chunk is stored before the next starts, so an interrupted fill resumes.
+        Missing trajectories are decoded in prompt order, ``FILL_CHUNK_BATCHES * batch_size``
+        prompts per chunk in a continuous batch of ``batch_size`` rows, and each chunk is
+        stored before the next starts, so an interrupted fill resumes.
         """
         layer_ids = sorted({int(i) for i in layer_ids})
         keys = [self.key(p) for p in prompts]
         found = [self._load(k) for k in keys]
         todo = [i for i, tr in enumerate(found) if tr is None]
-        from specforge_opd.rollout.engine import length_batches
-
-        for idx in tqdm(length_batches([len(prompts[i]) for i in todo], self.batch_size), desc=desc, leave=False,
-                        disable=None if todo else True):
-            chunk = [todo[j] for j in idx]
+        # chunks of FILL_CHUNK_BATCHES batches, each one continuous batch of batch_size rows, stored before the next
+        per = self.batch_size * FILL_CHUNK_BATCHES
+        for s in tqdm(range(0, len(todo), per), desc=desc, leave=False, disable=None if todo else True):
+            chunk = todo[s:s + per]
             self.target_calls += 1
-            gens = _greedy_generate(self.model, [prompts[i] for i in chunk], self.max_new_tokens, self.stop_token_ids)
+            gens = _greedy_generate(self.model, [prompts[i] for i in chunk], self.max_new_tokens, self.stop_token_ids,
+                                    batch_size=self.batch_size)
             for i, gen in zip(chunk, gens):
                 ids = torch.tensor(list(prompts[i]) + gen, dtype=torch.long)
                 finished = bool(gen) and gen[-1] in self.stop_token_ids
@@ -451,12 +472,9 @@ def live_decode(cfg: ExperimentConfig, target_model, drafter, prompts: list[list
     engine = SpeculativeEngine(target_model, drafter, rcfg, stop_token_ids=list(stop_token_ids), mask_token_id=drafter_mask_token_id(drafter),
                                max_context=cfg.target.max_context, too_long=cfg.target.too_long,
                                prefill_chunk=cfg.target.prefill_chunk)
-    records = []
-    bsz = cfg.eval.batch_size
     sample_ids = sample_ids or [str(i) for i in range(len(prompts))]
-    for i in range(0, len(prompts), bsz):
-        records += engine.generate(prompts[i : i + bsz], sample_ids=sample_ids[i : i + bsz])
-    return records
+    # one continuous batch of eval.batch_size rows
+    return engine.generate(prompts, sample_ids=sample_ids, batch_size=cfg.eval.batch_size)
 
 
 def measure_speedup(cfg: ExperimentConfig, target_model, drafter, prompts: list[list[int]], *, stop_token_ids) -> dict:
@@ -478,9 +496,7 @@ def measure_speedup(cfg: ExperimentConfig, target_model, drafter, prompts: list[
 
     def ar(n):
         t0 = time.perf_counter()
-        outs = []
-        for i in range(0, len(prompts), bsz):
-            outs += autoregressive_generate(target_model, prompts[i : i + bsz], n, list(stop_token_ids), temperature=0.0, seed=0)
+        outs = autoregressive_generate(target_model, prompts, n, list(stop_token_ids), temperature=0.0, seed=0, batch_size=bsz)
         dt = time.perf_counter() - t0
         return dt, sum(len(_cut(list(o), n, stop_token_ids)) for o in outs)
 

@@ -112,6 +112,28 @@ class KVCache:
                 buf[:, :, :W] = torch.gather(buf[:, :, : self.length], 2, idx)
         self.length = W
 
+    def write_rows(self, rows: torch.Tensor, src: "KVCache", width: int) -> None:
+        """Copy slots ``0..width-1`` of every row of ``src`` into rows ``rows`` (int64 [k]) of this cache, same slots.
+
+        Continuous batching: a prompt prefilled on its own (``src``, k rows) takes the place of
+        finished rows. ``width`` <= this cache's ``length``; the rows' other slots keep stale
+        contents, which their valid maps mark as holes.
+        """
+        for dst, sb in ((self.keys, src.keys), (self.values, src.values)):
+            for layer, buf in enumerate(dst):
+                buf[rows.to(buf.device), :, :width] = sb[layer][:, :, :width]
+
+    def pad_front(self, n: int) -> None:
+        """Insert ``n`` slots before slot 0 in every row (holes: their contents are undefined)."""
+        if n <= 0:
+            return
+        L = self.length
+        self.reserve(n)
+        for bufs in (self.keys, self.values):
+            for buf in bufs:
+                buf[:, :, n:n + L] = buf[:, :, :L].clone()
+        self.length = L + n
+
 
 class HFCache:
     """transformers' ``DynamicCache`` behind ``KVCache``'s verbs, for targets ``TargetRunner`` does not run itself."""
@@ -141,6 +163,22 @@ class HFCache:
             idx = slot_idx.to(k.device).view(k.shape[0], 1, -1, 1).expand(k.shape[0], k.shape[1], -1, k.shape[3])
             layer.keys = torch.gather(k, 2, idx)
             layer.values = torch.gather(layer.values, 2, idx)
+
+    def write_rows(self, rows: torch.Tensor, src: "HFCache", width: int) -> None:
+        """``KVCache.write_rows`` on the DynamicCache's tensors (both caches initialized, same layers)."""
+        for dst, sl in zip(self._layers(), src._layers()):
+            r = rows.to(dst.keys.device)
+            dst.keys[r, :, :width] = sl.keys[:, :, :width]
+            dst.values[r, :, :width] = sl.values[:, :, :width]
+
+    def pad_front(self, n: int) -> None:
+        """``KVCache.pad_front``: ``n`` hole slots before slot 0 (zeros)."""
+        if n <= 0:
+            return
+        for layer in self._layers():
+            z = layer.keys.new_zeros(layer.keys.shape[0], layer.keys.shape[1], n, layer.keys.shape[3])
+            layer.keys = torch.cat([z, layer.keys], dim=2)
+            layer.values = torch.cat([z.new_zeros(z.shape[:3] + layer.values.shape[3:]), layer.values], dim=2)
 
 
 # ---------------------------------------------------------------------------
@@ -440,7 +478,8 @@ def left_pad(prompts: Sequence[Sequence[int]], device=None) -> tuple[torch.Tenso
     return ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0)
 
 
-def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, layer_ids=None, chunk: int = 256):
+def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, layer_ids=None, chunk: int = 256,
+            all_hidden: bool = False):
     """Run left-padded prompts through the target in chunks of ``chunk`` columns, appending to ``cache``.
 
     No forward sees more than ``chunk`` queries, so no [P, P] mask or score matrix
@@ -450,15 +489,17 @@ def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Te
         runner: ``TargetRunner``; cache: its ``new_cache`` (empty).
         ids, pos: int64 [B, P]; valid: bool [B, P].
         layer_ids: decoder layers whose features to return, or None.
+        all_hidden: return the final-norm hidden state of every column, not only the last.
     Returns:
-        (final-norm hidden of the last column [B, 1, H], features [B, P, n*H] or None).
+        (final-norm hidden of the last column [B, 1, H] (every column [B, P, H] with
+        ``all_hidden``), features [B, P, n*H] or None).
     Raises:
         ValueError: ``chunk`` < 1 (``target.prefill_chunk``).
     """
     if chunk < 1:
         raise ValueError(f"target.prefill_chunk={chunk}: must be at least 1")
     P = ids.shape[1]
-    feats = []
+    feats, hiddens = [], []
     hidden = None
     for s in range(0, P, chunk):
         e = min(P, s + chunk)
@@ -466,7 +507,35 @@ def prefill(runner, cache, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Te
         hidden, f = runner.forward(ids[:, s:e], pos[:, s:e], mask, cache, layer_ids)
         if f is not None:
             feats.append(f)
-    return hidden[:, -1:], (torch.cat(feats, dim=1) if feats else None)
+        if all_hidden:
+            hiddens.append(hidden)
+    return (torch.cat(hiddens, dim=1) if all_hidden else hidden[:, -1:]), (torch.cat(feats, dim=1) if feats else None)
+
+
+@torch.no_grad()
+def capture(runner, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int], *, chunk: int = 256,
+            hidden: bool = False) -> list:
+    """Teacher-forced features of whole sequences at the requested layers: one batched prefill, no cache kept.
+
+    What the SFT features step and the evaluation cache store: the output of decoder layer
+    k for each position (DESIGN.md section 3: HF ``hidden_states[k + 1]``; the last layer's
+    is the final-norm output), concatenated in ``layer_ids`` order. Only those layers are
+    kept, where the HF forward with ``output_hidden_states`` keeps every layer.
+
+    Args:
+        runner: ``TargetRunner``.
+        sequences: token id lists (non-empty), left-padded together: batch ones of similar length.
+        layer_ids: decoder layers (empty: features None).
+        chunk: columns per forward (``target.prefill_chunk``).
+        hidden: also return each position's final-norm hidden state (for logits).
+    Returns:
+        per sequence ``(features [T, len(layer_ids) * H] or None, hidden [T, H] or None)`` in the target's
+        dtype and device, T = the sequence's length.
+    """
+    ids, valid, pos = left_pad(sequences, runner.device)
+    cache = runner.new_cache(ids.shape[0], ids.shape[1])
+    h, f = prefill(runner, cache, ids, valid, pos, list(layer_ids), chunk, all_hidden=hidden)
+    return [(None if f is None else f[b, valid[b]], h[b, valid[b]] if hidden else None) for b in range(ids.shape[0])]
 
 
 #: Up to this many query slots (decode and verify steps) attention is two batched matmuls;

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,8 @@ from specforge_opd.rollout.decode import TargetRunner, left_pad, prefill, step_m
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import (
     CachedDFlashDrafter,
+    Draft,
+    DraftRequest,
     Drafter,
     InProcessTarget,
     StepConfig,
@@ -267,7 +269,8 @@ class SpeculativeEngine:
         )
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sample_ids: Optional[Sequence[str]] = None, drafter_step: int = 0) -> list[RolloutRecord]:
+    def generate(self, prompts: list[list[int]], sample_ids: Optional[Sequence[str]] = None, drafter_step: int = 0, *,
+                 batch_size: Optional[int] = None, on_record: Optional[Callable[[RolloutRecord], None]] = None) -> list[RolloutRecord]:
         """Roll out every prompt; returns one ``RolloutRecord`` per kept prompt, in input order.
 
         Args:
@@ -275,12 +278,16 @@ class SpeculativeEngine:
             sample_ids: ids stored in the records (default "0", "1", ...); they also seed
                 each row's sampler, so a row's sample does not depend on its batch.
             drafter_step: stored in every record (policy lag bookkeeping).
+            batch_size: rows decoded at once, continuously refilled from the prompts in
+                order as rows end (``step.speculate``); None: all prompts in one batch.
+            on_record: called with each record as its row ends (finish order); the records
+                are then not kept and the result is empty (the streaming writers use it).
         Returns:
             Records with ``features`` [T-1, n*H] in the target's dtype (None when
             ``rollout.store_features`` is off) and the ``rollout.teacher`` form's tensors.
-            ``self.stats`` then holds ``verify_steps``, ``batch_steps``, ``completion_tokens``,
-            ``t_prefill``, ``t_draft``, ``t_verify``, ``t_other``, ``seconds`` and, when the
-            cache was squeezed, ``compactions``.
+            ``self.stats`` then holds ``verify_steps``, ``batch_steps``, ``admissions``,
+            ``completion_tokens``, ``t_prefill``, ``t_draft``, ``t_verify``, ``t_other``,
+            ``seconds`` and, when the cache was squeezed, ``compactions``.
         Raises:
             RolloutError: an empty prompt, or a prompt over the context limit with ``too_long=error``.
         """
@@ -301,21 +308,28 @@ class SpeculativeEngine:
         )
         drafter = self.make_drafter(target)
         progress = _progress(total=B * rc.max_new_tokens, disable=B * rc.max_new_tokens < 512)
+        out: list = [None] * B
+
+        def emit(i: int, rec: RolloutRecord) -> None:
+            if rc.anchors == "random":
+                rec = self._random_anchors(rec)
+            if not rc.store_features:
+                rec.features = None
+            self.stats["completion_tokens"] += rec.completion_tokens
+            if on_record is not None:
+                on_record(rec)
+            else:
+                out[i] = rec
+
         try:
-            records = run_inline(speculate(target, drafter, kept, self.step_config(), drafter_step=drafter_step,
-                                           stats=self.stats, progress=progress.update))
+            run_inline(speculate(target, drafter, kept, self.step_config(), drafter_step=drafter_step,
+                                 stats=self.stats, progress=progress.update, batch_size=batch_size, on_record=emit))
         finally:
             progress.close()
         if target.compactions:
             self.stats["compactions"] = target.compactions
-        if rc.anchors == "random":
-            records = [self._random_anchors(rec) for rec in records]
-        if not rc.store_features:
-            for rec in records:
-                rec.features = None
-        self.stats["completion_tokens"] = sum(rec.completion_tokens for rec in records)
         self.stats["seconds"] = time.perf_counter() - t0
-        return records
+        return [] if on_record is not None else out
 
     @torch.no_grad()
     def _random_anchors(self, rec: RolloutRecord) -> RolloutRecord:
@@ -363,6 +377,15 @@ def _progress(total: int, disable: bool):
 # plain decoding (the lossless reference and the speedup baseline)
 
 
+class _NoDrafter:
+    """Proposes nothing: each block is slot 0 alone, so the verify step is a decode step (plain decoding)."""
+
+    block_size = 1
+
+    async def propose(self, req: DraftRequest) -> Draft:
+        return Draft(tokens=torch.zeros(len(req.tokens), 0, dtype=torch.long))
+
+
 @torch.no_grad()
 def autoregressive_generate(
     target_model,
@@ -376,28 +399,28 @@ def autoregressive_generate(
     sample_ids: Optional[Sequence[str]] = None,
     stats: Optional[dict] = None,
     prefill_chunk: int = 256,
+    batch_size: Optional[int] = None,
 ) -> list[list[int]]:
-    """Batched token-by-token decoding on a preallocated KV cache (left-padded prompts, explicit positions).
+    """Token-by-token decoding: the speculative step with a block of one slot and nothing drafted.
 
-    Sampling uses the same per-row generators as ``SpeculativeEngine`` (seeded
-    by ``seed`` and the sample id, default "0", "1", ...). A row that finishes
-    leaves the batch (its cache rows are dropped), so the rest decode at the
-    cost of the rows still running. Prompts are prefilled in chunks of
-    ``prefill_chunk`` tokens (``target.prefill_chunk``).
+    Runs ``step.speculate`` on the in-process target (preallocated KV cache, left-padded
+    prompts, explicit positions) with a drafter that proposes nothing, so plain and
+    speculative decoding share one loop, one cache layout and continuous batching: with
+    ``batch_size`` below the number of prompts, rows that end are refilled with the next
+    prompts in order; once the queue is empty they leave the batch. Sampling uses the same
+    per-row generators as ``SpeculativeEngine`` (seeded by ``seed`` and the sample id,
+    default "0", "1", ...). Prompts are prefilled in chunks of ``prefill_chunk`` tokens.
 
     Returns:
         per prompt, the generated tokens only (at most ``max_new_tokens``, ending
         at the first stop token), in input order.
-    ``stats``, when given, receives ``t_prefill``, ``t_decode`` (seconds),
-    ``decode_steps`` (batch forwards after the prefill) and ``decode_tokens``
-    (tokens those forwards produced, rows still running summed).
+    ``stats``, when given, receives ``t_prefill`` (admissions included), ``t_decode`` (seconds),
+    ``decode_steps`` (batch forwards after the prefill), ``decode_tokens`` (tokens those
+    forwards produced, rows summed) and ``admissions`` (rows refilled).
 
     Raises:
         RolloutError: an empty prompt.
     """
-    import time
-
-    dev = next(target_model.parameters()).device
     B = len(prompts)
     if B == 0:
         return []
@@ -407,49 +430,18 @@ def autoregressive_generate(
             raise RolloutError(f"prompt {sid!r} is empty: every prompt needs at least one token")
     if max_new_tokens <= 0:
         if stats is not None:
-            stats.update(t_prefill=0.0, t_decode=0.0, decode_steps=0, decode_tokens=0)
+            stats.update(t_prefill=0.0, t_decode=0.0, decode_steps=0, decode_tokens=0, admissions=0)
         return [[] for _ in range(B)]
-    gens = [row_generator(seed, s) if temperature > 0 else None for s in sids]
-    stops = {int(t) for t in stop_token_ids}
-    ids, valid, pos = left_pad(prompts, dev)
-    P = ids.shape[1]
-    runner = TargetRunner.of(target_model)
-    cache = runner.new_cache(B, P + max_new_tokens)
-    out: list[list[int]] = [[] for _ in range(B)]
-    active = list(range(B))  # input index of each batch row still decoding
-    t0 = time.perf_counter()
-    h, _ = prefill(runner, cache, ids, valid, pos, None, prefill_chunk)
-    kv_valid = valid
-    cur = pos[:, -1]
-    t_first = None
-    steps = n_tok = 0
-    while True:
-        tok = sample_tokens(runner.logits(h[:, -1:]).float(), gens, temperature, top_p, top_k)[:, 0]
-        keep = []
-        for j, b in enumerate(active):
-            out[b].append(int(tok[j]))
-            if not (int(tok[j]) in stops or len(out[b]) >= max_new_tokens):
-                keep.append(j)
-        if t_first is None:
-            t_first = time.perf_counter()
-        if not keep:
-            break
-        if len(keep) < len(active):
-            sel = torch.tensor(keep, device=dev)
-            cache.select_rows(sel)
-            kv_valid, cur, tok = kv_valid[sel], cur[sel], tok[sel]
-            active = [active[j] for j in keep]
-            gens = [gens[j] for j in keep]
-        cur = cur + 1
-        q_valid = torch.ones(len(active), 1, dtype=torch.bool, device=dev)
-        h, _ = runner.forward(tok.unsqueeze(1), cur.unsqueeze(1), step_mask(kv_valid, q_valid), cache)
-        kv_valid = torch.cat([kv_valid, q_valid], dim=1)
-        steps += 1
-        n_tok += len(active)
+    cfg = StepConfig(block_size=1, max_new_tokens=int(max_new_tokens), stop_token_ids=frozenset(int(t) for t in stop_token_ids),
+                     temperature=temperature, top_p=top_p, top_k=top_k, teacher="none", seed=seed)
+    target = InProcessTarget(target_model, (), slack=max_new_tokens + 2, prefill_chunk=prefill_chunk)
+    st: dict = {}
+    recs = run_inline(speculate(target, _NoDrafter(), [(sid, [int(t) for t in p]) for sid, p in zip(sids, prompts)], cfg,
+                                stats=st, batch_size=batch_size))
     if stats is not None:
-        t1 = time.perf_counter()
-        stats.update(t_prefill=t_first - t0, t_decode=t1 - t_first, decode_steps=steps, decode_tokens=n_tok)
-    return out
+        stats.update(t_prefill=st["t_prefill"], t_decode=st["t_draft"] + st["t_verify"] + st["t_other"],
+                     decode_steps=st["batch_steps"], decode_tokens=st["verify_steps"], admissions=st["admissions"])
+    return [rec.input_ids[rec.prompt_len:].tolist() for rec in recs]
 
 
 # ---------------------------------------------------------------------------
@@ -521,26 +513,27 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
                            draft_path=str(cfg.resolve_path(cfg.draft.path)), out_dir=Path(out_dir))
         print(f"rollout ({cfg.rollout.backend}): {n} sequences -> {out_dir}")
         return 0
-    per = cfg.rollout.sequences_per_shard
-    pending: list[RolloutRecord] = []
-    steps = toks = 0
-    skipped = 0
-    bsz = cfg.rollout.batch_size
     from tqdm import tqdm
 
-    for idx in tqdm(length_batches([len(p) for _, p in prompts], bsz), desc="rollout batches", unit="batch"):
-        chunk = [prompts[i] for i in idx]
-        recs = engine.generate([p for _, p in chunk], [s for s, _ in chunk], drafter_step=drafter_step)
-        skipped += len(engine.skipped)
-        for rec in recs:
-            steps += rec.num_blocks
-            toks += rec.completion_tokens
-        pending.extend(recs)
-        while len(pending) >= per:
-            writer.write(pending[:per])
-            pending = pending[per:]
-    if pending:
-        writer.write(pending)
+    from specforge_opd.rollout.shards import InOrderShards
+
+    steps = toks = 0
+    bar = tqdm(total=len(prompts), desc="rollout", unit="seq")
+
+    def on_write(recs):
+        nonlocal steps, toks
+        steps += sum(r.num_blocks for r in recs)
+        toks += sum(r.completion_tokens for r in recs)
+        bar.update(len(recs))
+
+    # one continuous batch of rollout.batch_size rows; shards of rollout.sequences_per_shard, in prompt order
+    shards = InOrderShards(writer, [s for s, _ in prompts], cfg.rollout.sequences_per_shard,
+                           skipped=lambda: engine.skipped, on_write=on_write)
+    engine.generate([p for _, p in prompts], [s for s, _ in prompts], drafter_step=drafter_step,
+                    batch_size=cfg.rollout.batch_size, on_record=shards.add)
+    shards.close()
+    bar.close()
+    skipped = len(engine.skipped)
     tau = toks / steps if steps else 0.0
     print(f"rollout: {len(prompts) - skipped} sequences, {toks} completion tokens, {steps} verify steps, tau={tau:.3f}, "
           f"{skipped} skipped (too long) -> {out_dir}")

@@ -116,12 +116,13 @@ def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens
 
 
 def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, seed: int,
-                       sample_ids: Optional[list[str]] = None) -> list[list[int]]:
+                       sample_ids: Optional[list[str]] = None, batch_size: Optional[int] = None) -> list[list[int]]:
     """New tokens for each prompt (prompt excluded), from the configured backend.
 
-    The embedded backend is ``rollout.autoregressive_generate`` (KV cache,
-    batched, per-sample generators seeded by ``seed`` and the sample id, so a
-    resumed run samples what the uninterrupted one would).
+    The embedded backend is ``rollout.autoregressive_generate`` (KV cache, a continuous
+    batch of ``batch_size`` rows, None: all at once; per-sample generators seeded by
+    ``seed`` and the sample id, so a resumed run samples what the uninterrupted one would).
+    SGLang batches on its own side.
     """
     kw = dict(max_new_tokens=cfg.sft.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids),
               temperature=cfg.sft.temperature, seed=seed)
@@ -133,7 +134,8 @@ def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, 
         autoregressive_generate = None
     if autoregressive_generate is not None:
         return [list(r) for r in autoregressive_generate(bundle.model, prompts, sample_ids=sample_ids,
-                                                                  prefill_chunk=cfg.target.prefill_chunk, **kw)]
+                                                                  prefill_chunk=cfg.target.prefill_chunk,
+                                                                  batch_size=batch_size, **kw)]
     pad = bundle.tokenizer.pad_token_id
     pad = bundle.stop_token_ids[0] if pad is None else pad
     return hf_generate(bundle.model, prompts, pad_token_id=pad, **kw)
@@ -167,17 +169,14 @@ def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: 
         if f.is_file():
             continue
         part = tokenized[c * chunk:(c + 1) * chunk]
-        lines = [""] * len(part)  # in prompt order, whatever order the batches ran in
-        from specforge_opd.rollout.engine import length_batches
-
-        for idx in length_batches([len(p) for _, p in part], cfg.sft.batch_size):
-            batch = [part[i] for i in idx]
-            outs = generate_responses(bundle, [p for _, p in batch], cfg, seed=cfg.data.seed,
-                                      sample_ids=[pid for pid, _ in batch])
-            for i, (pid, p), o in zip(idx, batch, outs):
-                resp, finished = _cut_at_stop(o, stop, cfg.sft.max_new_tokens)
-                lines[i] = json.dumps(ResponseRecord(pid, p, resp, finished).__dict__)
-            bar.update(len(batch))
+        # one continuous batch of sft.batch_size rows over the chunk's prompts, in prompt order
+        outs = generate_responses(bundle, [p for _, p in part], cfg, seed=cfg.data.seed,
+                                  sample_ids=[pid for pid, _ in part], batch_size=cfg.sft.batch_size)
+        lines = []
+        for (pid, p), o in zip(part, outs):
+            resp, finished = _cut_at_stop(o, stop, cfg.sft.max_new_tokens)
+            lines.append(json.dumps(ResponseRecord(pid, p, resp, finished).__dict__))
+        bar.update(len(part))
         atomic_write_bytes(f, ("\n".join(lines) + "\n").encode())
     bar.close()
     recs = read_responses(d)

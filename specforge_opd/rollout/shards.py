@@ -235,6 +235,56 @@ def _file_schema(f: Path) -> Optional[str]:
 # reading
 
 
+class InOrderShards:
+    """Writes records that arrive in any order as shards of ``per`` sequences, in the order of ``order``.
+
+    A continuous batch ends rows out of prompt order; a record waits here until every
+    sequence before it in ``order`` has arrived (or was skipped), so the shards list
+    sequences in prompt order and a killed run resumes at a prompt boundary. The wait is
+    bounded by the batch: rows start in prompt order.
+
+    Args:
+        writer: the ``ShardWriter``.
+        order: sample ids in prompt order.
+        per: sequences per shard (the last may hold fewer).
+        skipped: returns ids that will never arrive (prompts the engine skipped).
+        on_write: called with each written shard's records.
+    """
+
+    def __init__(self, writer: "ShardWriter", order: list, per: int, skipped=lambda: (), on_write=None):
+        self.writer, self.order, self.per = writer, [str(s) for s in order], max(1, int(per))
+        self.skipped, self.on_write = skipped, on_write
+        self.waiting: dict[str, RolloutRecord] = {}
+        self.ready: list[RolloutRecord] = []
+        self.pos = 0
+
+    def add(self, rec: RolloutRecord) -> None:
+        """Take one finished record; write every full shard that is now in order."""
+        self.waiting[str(rec.sample_id)] = rec
+        gone = set(self.skipped())
+        while self.pos < len(self.order) and (self.order[self.pos] in self.waiting or self.order[self.pos] in gone):
+            r = self.waiting.pop(self.order[self.pos], None)
+            if r is not None:
+                self.ready.append(r)
+            self.pos += 1
+        while len(self.ready) >= self.per:
+            self._write(self.ready[: self.per])
+            self.ready = self.ready[self.per:]
+
+    def close(self) -> None:
+        """Write what is left (records still waiting come after the ready ones, in order)."""
+        rest = self.ready + [self.waiting[s] for s in self.order if s in self.waiting]
+        self.ready, self.waiting = [], {}
+        for i in range(0, len(rest), self.per):
+            self._write(rest[i:i + self.per])
+
+    def _write(self, recs: list) -> None:
+        if recs:
+            self.writer.write(recs)
+            if self.on_write is not None:
+                self.on_write(recs)
+
+
 def written_sample_ids(shard_dir) -> set[str]:
     """Sample ids of the complete shards in ``shard_dir`` (the manifest lists only complete ones).
 

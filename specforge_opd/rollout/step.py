@@ -440,59 +440,111 @@ async def speculate(
     drafter_step: int = 0,
     stats: Optional[dict] = None,
     progress: Optional[Callable[[int], None]] = None,
+    batch_size: Optional[int] = None,
+    on_record: Optional[Callable[[int, RolloutRecord], None]] = None,
 ) -> list:
-    """Roll out a batch of rows: prefill, then draft -> verify -> accept -> advance until every row ends.
+    """Roll out rows: prefill, then draft -> verify -> accept -> advance until every row ends.
+
+    With ``batch_size`` below the number of prompts the batch is continuous: the first
+    ``batch_size`` prompts start together, and whenever rows end the next prompts of the
+    queue are prefilled into their places (``target.admit``), so the batch stays full until
+    the queue is empty; then finished rows leave it (``target.keep``). A row's tokens do not
+    depend on its neighbours: each attends to its own slots with its own positions, and
+    samples with its own generator.
 
     Args:
-        target: a ``Target`` (its ``caps`` are checked first).
+        target: a ``Target`` (its ``caps`` are checked first); continuous batching needs ``admit``.
         drafter: a ``Drafter`` with ``block_size == cfg.block_size``.
-        prompts: [(sample_id, non-empty prompt ids)], one row each.
+        prompts: [(sample_id, non-empty prompt ids)], one row each, in queue order.
         cfg: the rollout's settings.
         drafter_step: stored in every record (policy lag).
-        stats: receives ``verify_steps``, ``batch_steps``, ``t_prefill``, ``t_draft``, ``t_verify``,
-            ``t_other`` (added to what it holds).
+        stats: receives ``verify_steps``, ``batch_steps``, ``admissions``, ``t_prefill``
+            (admissions included), ``t_draft``, ``t_verify``, ``t_other`` (added to what it holds).
         progress: called with the number of tokens each step added.
+        batch_size: rows decoded at once (None: every prompt at once).
+        on_record: ``fn(index, record)`` called as each row ends (index into ``prompts``);
+            records handed to it are not kept, and the result is then empty.
     Returns:
-        One ``RolloutRecord`` per prompt, in order; ``features`` as the target returned them
-        (float [T-1, D]) or None.
+        One ``RolloutRecord`` per prompt, in prompt order (empty with ``on_record``);
+        ``features`` as the target returned them (float [T-1, D]) or None.
     Raises:
         ValueError: T > 0 on a greedy-only target (names ``rollout.temperature``); a target
-            that states features but returned too few rows; the drafter's own errors.
+            that states features but returned too few rows; continuous batching on a target
+            without ``admit``; the drafter's own errors.
     """
     if cfg.temperature > 0 and target.caps.greedy_only:
         raise greedy_only_error(cfg.temperature, target.caps)
     stats = {} if stats is None else stats
-    for key in ("verify_steps", "batch_steps"):
+    for key in ("verify_steps", "batch_steps", "admissions"):
         stats.setdefault(key, 0)
     for key in ("t_prefill", "t_draft", "t_verify", "t_other"):
         stats.setdefault(key, 0.0)
     caps = target.caps
     bs = cfg.block_size
     teach = cfg.teacher in caps.teacher_forms
+    n = len(prompts)
+    width = n if not batch_size else min(n, int(batch_size))
+    if width < n and not hasattr(target, "admit"):
+        raise ValueError(f"{caps.name} cannot refill finished rows (no admit): roll out with batch_size=None")
+    records: list = [None] * n
+    rows: dict = {}  # prompt index -> _Row while it decodes
+
+    def start(indices: list, pre: Prefilled) -> list:
+        """Rows for the prompts ``indices`` from their prefill: the first response token (a_0 = prompt length)."""
+        if caps.features and pre.rows is None:
+            raise ValueError(f"{caps.name}: the prefill returned no feature rows")
+        new = [_Row(prompts[i][0], list(prompts[i][1]), len(prompts[i][1]),
+                    row_generator(cfg.seed, prompts[i][0]) if cfg.temperature > 0 else None) for i in indices]
+        first = _target_tokens(pre.logits, pre.tokens, [r.gen for r in new], cfg)[:, 0]
+        for b, (i, r) in enumerate(zip(indices, new)):
+            if pre.rows is not None:
+                r.features.append(pre.rows[b])
+            _append(r, [int(first[b])], cfg)
+            rows[i] = r
+        return [r.gen for r in new]
+
+    def finish(i: int) -> None:
+        rec = _record(rows.pop(i), cfg, caps, drafter_step)
+        if on_record is not None:
+            on_record(i, rec)
+        else:
+            records[i] = rec
+
     t0 = time.perf_counter()
-    rows = [_Row(sid, list(p), len(p), row_generator(cfg.seed, sid) if cfg.temperature > 0 else None) for sid, p in prompts]
-    gens = [r.gen for r in rows]
-    pre = await target.prefill([list(p) for _, p in prompts])
-    if caps.features and pre.rows is None:
-        raise ValueError(f"{caps.name}: the prefill returned no feature rows")
-    first = _target_tokens(pre.logits, pre.tokens, gens, cfg)[:, 0]
-    for b, r in enumerate(rows):
-        if pre.rows is not None:
-            r.features.append(pre.rows[b])
-        _append(r, [int(first[b])], cfg)
+    slots = list(range(width))  # batch row -> prompt index
+    gens = start(slots, await target.prefill([list(prompts[i][1]) for i in slots]))
+    queue = list(range(width, n))[::-1]  # popped from the end: prompt order
     stats["t_prefill"] += time.perf_counter() - t0
 
-    active = list(range(len(rows)))
-    # rows that ended on the prefill token leave before the first draft
-    keep = [i for i, r in enumerate(rows) if not r.done]
     while True:
-        if len(keep) < len(active):
-            active = [active[i] for i in keep]
-            if not active:
+        # rows that ended leave; the queue's next prompts take their places (a refilled row can end
+        # on its prefill token, hence the loop)
+        while True:
+            ended = [j for j, i in enumerate(slots) if rows[i].done]
+            if not ended:
                 break
-            target.keep(keep)
-            gens = [gens[i] for i in keep]
-        live = [rows[b] for b in active]
+            for j in ended:
+                finish(slots[j])
+            refill = ended[: len(queue)]
+            if refill:
+                ta = time.perf_counter()
+                idx = [queue.pop() for _ in refill]
+                new_gens = start(idx, await target.admit(refill, [list(prompts[i][1]) for i in idx]))
+                for j, i, g in zip(refill, idx, new_gens):
+                    slots[j], gens[j] = i, g
+                stats["admissions"] += len(refill)
+                stats["t_prefill"] += time.perf_counter() - ta
+            drop = set(ended[len(refill):])
+            if drop:
+                keep = [j for j in range(len(slots)) if j not in drop]
+                slots = [slots[j] for j in keep]
+                gens = [gens[j] for j in keep]
+                if not slots:
+                    break
+                target.keep(keep)
+        if not slots:
+            break
+        live = [rows[i] for i in slots]
         t1 = time.perf_counter()
         req = DraftRequest(
             tokens=[r.tokens for r in live],
@@ -514,7 +566,6 @@ async def speculate(
             # padding is recorded as -1, as the offline prompt-lookup replay does
             pad = torch.arange(bs - 1, device=drafts.device).unsqueeze(0) >= d.lengths.to(drafts.device).unsqueeze(1)
             shown = drafts.masked_fill(pad, -1)
-        keep = []
         n_new = 0
         for j, r in enumerate(live):
             rj = int(acc[j])
@@ -531,18 +582,16 @@ async def speculate(
                 r.features.append(v.rows[j][: rj + 1])
             new = drafts[j, :rj].tolist() + [int(post[j, rj])]
             n_new += _append(r, new, cfg, block=rj)
-            if not r.done:
-                keep.append(j)
         if progress is not None:
             progress(n_new)
-        stats["verify_steps"] += len(active)
+        stats["verify_steps"] += len(live)
         stats["batch_steps"] += 1
         target.advance(acc)
         t4 = time.perf_counter()
         stats["t_draft"] += t2 - t1
         stats["t_verify"] += t3 - t2
         stats["t_other"] += t4 - t3
-    return [_record(r, cfg, caps, drafter_step) for r in rows]
+    return [] if on_record is not None else records
 
 
 def run_inline(coro):
@@ -605,6 +654,9 @@ class InProcessTarget:
             vocab_size=int(w.shape[0]), hidden_size=int(w.shape[1]), hidden_dtype=w.dtype,
         )
         self.slot_caches: list = []
+        #: ``fn(rows, feats [k, P, D], pos [k, P], valid [k, P])``: fill the context of admitted rows
+        #: at slots 0..P-1 of each slot cache (``admit``); the ``CachedDFlashDrafter`` registers one.
+        self.context_writers: list = []
         #: Compactions so far.
         self.compactions = 0
         self.cache = self.valid = self.pending = self._last = None
@@ -649,6 +701,62 @@ class InProcessTarget:
         feats, pos = self.pending
         self.pending = (None if feats is None else feats[sel], pos[sel])
 
+    async def admit(self, rows: list, prompts: list) -> Prefilled:
+        """Continuous batching: prefill ``prompts`` into batch rows ``rows`` (rows whose sequences ended).
+
+        The prompts are prefilled on their own (left-padded among themselves, no attention
+        to the batch), then their keys/values are copied into slots 0..P-1 of their rows of
+        the shared cache; the rest of those rows are holes. The drafter's context cache gets
+        the same slots (``context_writers``), or, before its first draft, the pending context
+        does. Where the cache is shorter than the prompts, hole slots are added in front of
+        every row first. Each row attends to its own valid slots with its own positions, so
+        a row's result does not depend on its neighbours (up to fp rounding).
+
+        Args:
+            rows: batch positions (ints) to refill, as many as ``prompts``.
+            prompts: per row the prompt's token ids (non-empty lists).
+        Returns:
+            ``Prefilled`` for those rows, in ``rows`` order.
+        """
+        ids, valid, pos = left_pad(prompts, self.device)
+        k, P = ids.shape
+        tmp = self.runner.new_cache(k, P)
+        hidden, feats = prefill(self.runner, tmp, ids, valid, pos, self.layer_ids, self.prefill_chunk)
+        S = self.valid.shape[1]
+        p_feats, p_pos = self.pending
+        c = p_pos.shape[1]
+        consumed = S - c  # slots the drafter's context cache already holds
+        before_first_draft = consumed == 0 and bool(self.slot_caches)
+        room = S if (before_first_draft or not self.slot_caches) else consumed
+        if P > room:
+            grow = P - room
+            self.cache.pad_front(grow)
+            for sc in self.slot_caches:
+                sc.pad_front(grow)
+            self.valid = torch.cat([self.valid.new_zeros(self.valid.shape[0], grow), self.valid], dim=1)
+            if before_first_draft:  # the pending context is every slot: it grows with them
+                p_pos = torch.cat([p_pos.new_zeros(p_pos.shape[0], grow), p_pos], dim=1)
+                if p_feats is not None:
+                    p_feats = torch.cat([p_feats.new_zeros(p_feats.shape[0], grow, p_feats.shape[2]), p_feats], dim=1)
+            S += grow
+        sel = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.write_rows(sel, tmp, P)
+        new_valid = self.valid.new_zeros(k, S)
+        new_valid[:, :P] = valid
+        self.valid[sel] = new_valid
+        if before_first_draft:
+            p_pos = p_pos.clone()
+            p_pos[sel, :P] = pos
+            if p_feats is not None:
+                p_feats = p_feats.clone()
+                p_feats[sel, :P] = feats.to(p_feats.dtype)
+        else:
+            for write in self.context_writers:
+                write(sel, feats, pos, valid)
+        self.pending = (p_feats, p_pos)
+        rows_out = None if feats is None else [feats[b, valid[b]] for b in range(k)]
+        return Prefilled(logits=self.runner.logits(hidden).float(), rows=rows_out)
+
     def _compact(self) -> None:
         """Squeeze the holes out of every slot-layout cache, keeping each row's slot order."""
         counts = self.valid.sum(1)
@@ -691,6 +799,36 @@ class CachedDFlashDrafter:
         self.dtype = next(model.parameters()).dtype
         self.cache = HFCache()
         target.slot_caches.append(self.cache)
+        target.context_writers.append(self._write_context)
+
+    @torch.no_grad()
+    def _write_context(self, rows: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> None:
+        """The projected context of admitted rows (features ``feats`` [k, P, D] at positions ``pos`` [k, P])
+        into slots 0..P-1 of rows ``rows`` of this drafter's cache.
+
+        A DFlash layer's context keys/values are its k/v projections of the projected target
+        features alone (RoPE at their positions): neither the block nor the mask enters them.
+        So one forward of the admitted rows with a MASK block computes exactly what the batch's
+        own draft would have cached; the block's part is cropped.
+        """
+        t = self.target
+        k, P = pos.shape
+        bs = self.block_size
+        noise_ids = torch.full((k, bs), self.mask_token_id, dtype=torch.long, device=t.device)
+        blk_pos = pos[:, -1:] + 1 + torch.arange(bs, device=t.device)
+        mask = valid.unsqueeze(1).unsqueeze(1).expand(k, 1, bs, P)
+        mask = torch.cat([mask, torch.ones(k, 1, bs, bs, dtype=torch.bool, device=t.device)], dim=3)
+        tmp = HFCache()
+        self.model(
+            position_ids=torch.cat([pos, blk_pos], dim=1),
+            noise_embedding=t.model.model.embed_tokens(noise_ids).to(self.dtype),
+            target_hidden=feats.to(self.dtype),
+            attention_mask=mask,
+            past_key_values=tmp.cache,
+            use_cache=True,
+        )
+        tmp.crop(P)
+        self.cache.write_rows(rows, tmp, P)
 
     async def propose(self, req: DraftRequest) -> Draft:
         """Returns the argmax of slots 1..bs-1 (int64 [B, bs-1]) and their logits (float32 [B, bs-1, V])."""

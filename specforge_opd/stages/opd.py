@@ -180,8 +180,12 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
 
 
 def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: dict, drafter_step: int,
-                  drafter_dir: Optional[str] = None) -> dict:
-    """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip batches already written.
+                  drafter_dir: Optional[str] = None, fault_after_shards: Optional[int] = None) -> dict:
+    """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip sequences already written.
+
+    The embedded backend rolls out every prompt left in one continuous batch of
+    ``rollout.batch_size`` rows and writes shards of that many sequences in prompt order.
+    ``fault_after_shards`` (tests): raise ``InjectedFault`` once that many shards are written.
 
     ``rollout.backend`` sglang_verify / sglang_native go through ``sglang.rollout_backend``
     (native mode launches the server with ``drafter_dir``, this iteration's drafter).
@@ -206,16 +210,32 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
                        out_dir=shard_dir)
         todo = []
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq", disable=rank != 0, dynamic_ncols=True)
-    from specforge_opd.rollout.engine import length_batches
+    from specforge_opd.rollout.shards import InOrderShards
 
-    for idx in length_batches([len(p) for _, p in todo], bs):
-        chunk = [todo[i] for i in idx]
-        recs = engine.generate([p for _, p in chunk], [s for s, _ in chunk], drafter_step=drafter_step)
-        if recs:
-            writer.write(recs)
+    written: list = []
+
+    shards_now = 0
+
+    def on_write(recs):
+        nonlocal new_tokens, shards_now
         new_tokens += sum(r.completion_tokens for r in recs)
-        bar.update(len(chunk))
-        bar.set_postfix(tau=f"{tau_of(recs):.2f}" if recs else "-")
+        written.extend(recs[-64:])  # a window for the bar's tau
+        del written[:-64]
+        bar.update(len(recs))
+        bar.set_postfix(tau=f"{tau_of(written):.2f}")
+        shards_now += 1
+        if fault_after_shards is not None and shards_now >= fault_after_shards:
+            from specforge_opd.train.trainer import InjectedFault
+
+            raise InjectedFault(f"injected fault in the rollout phase after {shards_now} shards")
+
+    if todo:
+        # one continuous batch of rollout.batch_size rows over every prompt left; shards of that many
+        # sequences, in prompt order
+        shards = InOrderShards(writer, [s for s, _ in todo], bs, skipped=lambda: engine.skipped, on_write=on_write)
+        engine.generate([p for _, p in todo], [s for s, _ in todo], drafter_step=drafter_step, batch_size=bs,
+                        on_record=shards.add)
+        shards.close()
     bar.close()
     seconds = time.perf_counter() - t0
     # Stats over everything in the spool (resumed batches included), without features.
@@ -249,7 +269,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         target: a loaded ``TargetBundle`` (None: ``target.load_target(cfg.target)``).
         prompts: the prompt pool as (id, token ids) (None: ``data`` sources rendered
             with the target's chat template, as SFT capture and evaluation render them).
-        fault: tests only: ``"rollout:N"`` raises after N rollout batches of the first
+        fault: tests only: ``"rollout:N"`` raises after N rollout shards of the first
             iteration run now; ``"train:N"`` after N optimizer steps.
     Raises:
         PlanError: the plan cannot run (spool budget, schedule).
@@ -359,8 +379,6 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
             max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
         )
-        if fault and fault.startswith("rollout:"):
-            engine = _FaultyEngine(engine, int(fault.split(":")[1]))
         meta = {
             "target_identity": bundle.identity, "drafter_identity": str(drafter_dir), "drafter_step": drafter_step,
             "block_size": int(drafter.block_size), "target_layer_ids": drafter_layer_ids(drafter),
@@ -371,7 +389,8 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         }
         rcfg = cfg.model_copy(deep=True)
         rcfg.rollout.seed = cfg.rollout.seed + it
-        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir)
+        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir,
+                           fault_after_shards=int(fault.split(":")[1]) if fault and fault.startswith("rollout:") else None)
         del engine, drafter
         if world > 1:
             dist.barrier()
@@ -457,21 +476,6 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         if tb is not None:
             tb.close()
     return final
-
-
-class _FaultyEngine:
-    """Wraps the engine to raise after N batches (resume tests)."""
-
-    def __init__(self, engine, n):
-        self.engine, self.n, self.skipped, self.drafter = engine, n, [], engine.drafter
-
-    def generate(self, *a, **k):
-        from specforge_opd.train.trainer import InjectedFault
-
-        if self.n <= 0:
-            raise InjectedFault("injected fault in the rollout phase")
-        self.n -= 1
-        return self.engine.generate(*a, **k)
 
 
 def _stamp_metadata(drafter_dir: Path, extra: dict) -> None:

@@ -67,28 +67,25 @@ def drafter_dtype(cfg: ExperimentConfig) -> str:
     return sft_precision(cfg).dtype
 
 
-def build_feature_sample(model, rec: ResponseRecord, layer_ids: list[int], max_context: int,
-                         dtype: Optional[str] = None) -> dict:
-    """One SpecForge offline DFlash sample.
+def sample_ids(rec: ResponseRecord, max_context: int) -> list[int]:
+    """The sample's tokens: prompt + response, truncated to ``max_context``."""
+    return (rec.prompt_ids + rec.response_ids)[:max_context]
 
-    Returns ``{"input_ids": [S] int64, "loss_mask": [S] int64 (1 on response
-    tokens), "hidden_states": [1, S, len(layer_ids) * H] in ``dtype`` (default: the target's)}``,
-    S = prompt + response tokens truncated to ``max_context``; features are
-    SpecForge's ``extract_context_feature`` of HF ``hidden_states`` (layer k =
-    ``hidden_states[k + 1]``), the same call its ``spec_generate`` uses.
+
+def feature_sample(rec: ResponseRecord, ids: list[int], features, dtype: Optional[str] = None) -> dict:
+    """One SpecForge offline DFlash sample from a sequence's captured features.
+
+    Returns ``{"input_ids": [S] int64, "loss_mask": [S] int64 (1 on response tokens),
+    "hidden_states": [1, S, n * H] in ``dtype`` (default: as given)}``; ``ids`` = ``sample_ids(rec, ...)``
+    (S tokens) and ``features`` [S, n * H] = ``decode.capture`` at the drafter's ``target_layer_ids``
+    (layer k = HF ``hidden_states[k + 1]``, what SpecForge's ``extract_context_feature`` takes).
     """
     import torch
 
-    from specforge_opd.models.adapter import extract_context_feature
-
-    ids = (rec.prompt_ids + rec.response_ids)[:max_context]
     input_ids = torch.tensor(ids, dtype=torch.long)
     loss_mask = torch.zeros_like(input_ids)
     loss_mask[len(rec.prompt_ids):] = 1
-    dev = next(model.parameters()).device
-    with torch.inference_mode():
-        out = model(input_ids[None].to(dev), output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    hs = extract_context_feature(out.hidden_states, layer_ids).cpu().contiguous()
+    hs = features.unsqueeze(0).cpu().contiguous()
     if dtype is not None:
         hs = hs.to(getattr(torch, dtype))
     return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_states": hs}
@@ -133,16 +130,24 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
             "(empty responses or prompts filling target.max_context); check the chat template, "
             "sft.max_new_tokens and target.max_context"
         )
-    model = None
-    sup = 0
-    for j, i in enumerate(tqdm(kept, desc="sft features", unit="sample")):
-        rec = records[i]
-        sup += supervised_tokens(rec, cfg.target.max_context)
-        path = feature_path(d, j)
-        if path.is_file():
-            continue
-        model = model or get_model()
-        _atomic_torch_save(build_feature_sample(model, rec, layer_ids, cfg.target.max_context, drafter_dtype(cfg)), path)
+    from specforge_opd.rollout.decode import TargetRunner, capture
+    from specforge_opd.rollout.engine import length_batches
+
+    sup = sum(supervised_tokens(records[i], cfg.target.max_context) for i in kept)
+    todo = [(j, i) for j, i in enumerate(kept) if not feature_path(d, j).is_file()]
+    dtype = drafter_dtype(cfg)
+    bar = tqdm(total=len(kept), initial=len(kept) - len(todo), desc="sft features", unit="sample")
+    if todo:
+        runner = TargetRunner.of(get_model())
+        seqs = [sample_ids(records[i], cfg.target.max_context) for _, i in todo]
+        # batches of similar length (little padding), each file written as its batch ends
+        for idx in length_batches([len(x) for x in seqs], cfg.sft.batch_size):
+            outs = capture(runner, [seqs[k] for k in idx], layer_ids, chunk=cfg.target.prefill_chunk)
+            for k, (f, _) in zip(idx, outs):
+                j, i = todo[k]
+                _atomic_torch_save(feature_sample(records[i], seqs[k], f, dtype), feature_path(d, j))
+            bar.update(len(idx))
+    bar.close()
     stats = {"samples": len(kept), "dropped": len(dropped), "dropped_ids": [x for x, _ in dropped],
              "supervised_tokens": sup, "target_layer_ids": layer_ids, "format": "specforge_hidden_states_v1",
              "files": [str(feature_path(d, j).relative_to(d)) for j in range(len(kept))]}

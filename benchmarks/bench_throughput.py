@@ -1,0 +1,168 @@
+"""Data throughput of the embedded target, before and after continuous batching, in one run.
+
+Every embedded experiment is paid in target forwards. Measured side by side on the 2-core
+machine (run it alone), each "before" the way the pipeline ran before continuous batching:
+
+- ``rollout``: the OPD rollout of ``--rollout-prompts`` prompts of ``configs/tiny/opd.yaml``'s
+  pool with the published drafter: before = length-bucketed batches of 8 (the old
+  ``rollout.batch_size``), each run until its last row ends; after = one continuous batch of
+  ``--rollout-batch`` rows. ``rollout_of_compute_bound``: after's tokens/s over the bound of the
+  run's target + drafter FLOPs per token at one 2048^3 matmul's rate (``bench_rollout.py``).
+- ``generation``: plain greedy generation for the SFT pool of ``configs/small/sft.yaml``
+  (mixed prompt lengths, its stop tokens, 128 new tokens) at batch ``--gen-batch``: generated
+  tokens per second of the whole job, prefill included, before (length-bucketed batches)
+  and after (continuous), against the decode-only tokens/s of a full batch of the same
+  prompts without stop tokens (what ``bench_decode.py`` reports).
+- ``capture``: SFT feature capture of those sequences at the tiny SFT config's layers: the HF
+  forward with every layer's hidden states, one sample at a time (before) against
+  ``decode.capture`` of the requested layers in length-bucketed batches (after); the
+  largest relative difference of the features.
+- ``decode_of_chain``: decode-only tokens/s at batch 32 over the chain ceiling (``bench_decode.py``).
+
+    .venv/bin/python benchmarks/bench_throughput.py [--json benchmarks/results/bench_throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rollout-prompts", type=int, default=48)
+    ap.add_argument("--rollout-batch", type=int, default=16)
+    ap.add_argument("--gen-prompts", type=int, default=128)
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--capture-samples", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=str(ROOT / "benchmarks/results/bench_throughput.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from bench_decode import chain_ceiling
+    from bench_rollout import matmul_gflops, rollout_flops, same_records
+
+    from specforge_opd.config import load_config
+    from specforge_opd.data.chat import render_prompt
+    from specforge_opd.data.prompts import tokenize_prompts, training_pool
+    from specforge_opd.models.adapter import extract_context_feature
+    from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
+    from specforge_opd.models.target import load_target
+    from specforge_opd.precision import machine_info
+    from specforge_opd.rollout.decode import TargetRunner, capture
+    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate, length_batches
+    from specforge_opd.rollout.records import tau_of
+    from specforge_opd.stages.opd import _pool
+
+    res: dict = {"machine": machine_info(), "command": sys.argv, "alone": "run with nothing else heavy on the machine"}
+    gflops = matmul_gflops()
+    res["matmul_gflops"] = gflops
+
+    # -- rollout
+    cfg = load_config(ROOT / "configs/tiny/opd.yaml", [])
+    bundle = load_target(cfg.target)
+    tok, model = bundle.tokenizer, bundle.model
+    drafter = load_drafter("published:smollm2-135m-instruct-dflash-b8", target_config=model.config).eval()
+    pool, _ = _pool(cfg, tokenizer=tok)
+    pool = pool[: args.rollout_prompts]
+    prompts = [tok(render_prompt(tok, p.chat_messages(), thinking=False), add_special_tokens=False)["input_ids"] for p in pool]
+    ids = [str(p.id) for p in pool]
+    engine = SpeculativeEngine(model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids,
+                               mask_token_id=drafter_mask_token_id(drafter), max_context=cfg.target.max_context,
+                               too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk)
+    engine.generate(prompts[:2], ids[:2])  # warm-up
+    t = time.perf_counter()
+    by_id = {}
+    for idx in length_batches([len(p) for p in prompts], 8):
+        for r in engine.generate([prompts[i] for i in idx], [ids[i] for i in idx]):
+            by_id[r.sample_id] = r
+    before_s = time.perf_counter() - t
+    before = [by_id[s] for s in ids]
+    t = time.perf_counter()
+    after = engine.generate(prompts, ids, batch_size=args.rollout_batch)
+    after_s = time.perf_counter() - t
+    toks = sum(r.completion_tokens for r in after)
+    bound = gflops * 1e9 / (rollout_flops(model.config, drafter.config, after) / toks)
+    res["rollout"] = {"prompts": len(prompts), "max_new_tokens": cfg.rollout.max_new_tokens, "teacher": cfg.rollout.teacher,
+                      "before": {"batch": 8, "tok_s": toks / before_s, "seconds": before_s},
+                      "after": {"batch": args.rollout_batch, "tok_s": toks / after_s, "seconds": after_s},
+                      "tau": tau_of(after), "compute_bound_tok_s": bound, "records_equal": same_records(before, after)}
+    print(json.dumps(res["rollout"]), flush=True)
+
+    # -- generation: the small SFT config's pool
+    scfg = load_config(ROOT / "configs/small/sft.yaml", [])
+    recs = training_pool(scfg.data, tokenizer=tok)[: args.gen_prompts]
+    tokenized, _ = tokenize_prompts(recs, tok, scfg)
+    gp = [p for _, p in tokenized]
+    gid = [s for s, _ in tokenized]
+    B, N = args.gen_batch, args.gen_tokens
+    stops = bundle.stop_token_ids
+    t = time.perf_counter()
+    outs_before = [None] * len(gp)
+    for idx in length_batches([len(p) for p in gp], B):
+        for i, o in zip(idx, autoregressive_generate(model, [gp[i] for i in idx], N, stops, sample_ids=[gid[i] for i in idx])):
+            outs_before[i] = o
+    gen_before_s = time.perf_counter() - t
+    st: dict = {}
+    t = time.perf_counter()
+    outs_after = autoregressive_generate(model, gp, N, stops, sample_ids=gid, batch_size=B, stats=st)
+    gen_after_s = time.perf_counter() - t
+    gen_toks = sum(len(o) for o in outs_after)
+    dec: dict = {}
+    autoregressive_generate(model, gp[:B], N, [], stats=dec)  # a full batch, no stop tokens: decode only
+    decode_tok_s = dec["decode_tokens"] / dec["t_decode"]
+    chain = B / chain_ceiling(model.config, torch.float32, B)
+    res["generation"] = {"prompts": len(gp), "batch": B, "max_new_tokens": N, "tokens": gen_toks,
+                         "before_tok_s": gen_toks / gen_before_s, "after_tok_s": gen_toks / gen_after_s,
+                         "admissions": st["admissions"], "decode_only_tok_s": decode_tok_s, "chain_ceiling_tok_s": chain,
+                         "outputs_equal": outs_before == outs_after}
+    print(json.dumps(res["generation"]), flush=True)
+
+    # -- capture: prompt + response sequences of the tiny SFT drafter's layers
+    layer_ids = list(load_config(ROOT / "configs/tiny/sft.yaml", []).draft.target_layer_ids)
+    seqs = [p + o for p, o in zip(gp, outs_after)][: args.capture_samples]
+    t = time.perf_counter()
+    ref = []
+    with torch.inference_mode():
+        for s in seqs:
+            out = model(torch.tensor([s]), output_hidden_states=True, use_cache=False, logits_to_keep=1)
+            ref.append(extract_context_feature(out.hidden_states, layer_ids)[0])
+    cap_before_s = time.perf_counter() - t
+    runner = TargetRunner.of(model)
+    t = time.perf_counter()
+    got = [None] * len(seqs)
+    for idx in length_batches([len(s) for s in seqs], scfg.sft.batch_size):
+        for i, (f, _) in zip(idx, capture(runner, [seqs[i] for i in idx], layer_ids)):
+            got[i] = f
+    cap_after_s = time.perf_counter() - t
+    worst = max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref))
+    res["capture"] = {"samples": len(seqs), "batch": scfg.sft.batch_size, "layers": layer_ids,
+                      "before_samples_per_s": len(seqs) / cap_before_s, "after_samples_per_s": len(seqs) / cap_after_s,
+                      "max_relative_difference": worst}
+    print(json.dumps(res["capture"]), flush=True)
+
+    res.update(
+        rollout_speedup=res["rollout"]["after"]["tok_s"] / res["rollout"]["before"]["tok_s"],
+        rollout_of_compute_bound=res["rollout"]["after"]["tok_s"] / bound,
+        generation_of_decode=res["generation"]["after_tok_s"] / decode_tok_s,
+        capture_speedup=res["capture"]["after_samples_per_s"] / res["capture"]["before_samples_per_s"],
+        decode_of_chain=decode_tok_s / chain,
+    )
+    print(json.dumps({k: res[k] for k in ("rollout_speedup", "rollout_of_compute_bound", "generation_of_decode",
+                                          "capture_speedup", "decode_of_chain")}, indent=1))
+    Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
