@@ -102,6 +102,8 @@ class RolloutConfig(Section):
     """Speculative rollouts (``specforge_opd.rollout.engine``)."""
 
     backend: Literal["embedded", "sglang_verify", "sglang_native"] = "embedded"
+    #: Embedded backend: rows of the continuous batch (a row that ends is refilled with the
+    #: next prompt); also the sequences per shard of the OPD stage's rollout phase.
     batch_size: int = Field(default=8, gt=0)
     max_new_tokens: int = Field(default=256, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)
@@ -181,6 +183,8 @@ class SFTConfig(Section):
     #: Generate responses greedily (temperature 0) or sampled.
     temperature: float = Field(default=0.0, ge=0.0)
     max_new_tokens: int = Field(default=256, gt=0)
+    #: Embedded backend: rows of the continuous batch that generates responses (and of the
+    #: feature capture's length-bucketed batches).
     batch_size: int = Field(default=8, gt=0)
     #: Prompts per responses chunk file (the unit of resume for generation).
     chunk_prompts: int = Field(default=32, gt=0)

@@ -44,22 +44,6 @@ def make_tiny_drafter(target, seed: int = 1, block_size: int = 4, layers: int = 
     return build_drafter(dcfg, "sdpa", seed=seed).eval()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``native_bf16`` train or decode in bf16 at a size where an emulating CPU (AVX2 only) takes
-    minutes: they skip there, and the skip names the CPU's reason (``pytest -rs`` prints it)."""
-    marked = [item for item in items if "native_bf16" in item.keywords]
-    if not marked:
-        return
-    from specforge_opd.precision import cpu_bf16_native
-
-    native, why = cpu_bf16_native()
-    if native:
-        return
-    skip = pytest.mark.skip(reason=f"needs native bf16; this CPU emulates it ({why}), where bf16 runs many times slower than fp32")
-    for item in marked:
-        item.add_marker(skip)
-
-
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()

@@ -65,6 +65,26 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
+def queue_order(lengths: Sequence[int], batch_size: Optional[int], window_batches: int = 4) -> list[int]:
+    """The order a continuous batch takes prompts in: windows of ``window_batches * batch_size``
+    consecutive prompts, each longest first.
+
+    Rows of similar length share the cache with fewer hole slots (attention reads every slot
+    of the batch), and longest first means an admitted prompt usually fits the slots already
+    there. The window keeps the order close to the prompts' own, so writers that emit in
+    prompt order (``shards.InOrderShards``) hold about one window of finished rows.
+    Returns indices into ``lengths``; None or a batch as large as the list: the given order.
+    """
+    n = len(lengths)
+    if not batch_size or batch_size >= n:
+        return list(range(n))
+    w = max(1, int(window_batches) * int(batch_size))
+    out: list[int] = []
+    for s in range(0, n, w):
+        out += sorted(range(s, min(n, s + w)), key=lambda i: (-lengths[i], i))
+    return out
+
+
 def target_forward(target, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache, layer_ids):
     """One target forward returning (final-norm hidden [B, q, H], context features [B, q, n*H]).
 
@@ -278,8 +298,9 @@ class SpeculativeEngine:
             sample_ids: ids stored in the records (default "0", "1", ...); they also seed
                 each row's sampler, so a row's sample does not depend on its batch.
             drafter_step: stored in every record (policy lag bookkeeping).
-            batch_size: rows decoded at once, continuously refilled from the prompts in
-                order as rows end (``step.speculate``); None: all prompts in one batch.
+            batch_size: rows decoded at once, continuously refilled as rows end
+                (``step.speculate``), the prompts taken in ``queue_order``; None: all
+                prompts in one batch.
             on_record: called with each record as its row ends (finish order); the records
                 are then not kept and the result is empty (the streaming writers use it).
         Returns:
@@ -321,9 +342,11 @@ class SpeculativeEngine:
             else:
                 out[i] = rec
 
+        order = queue_order([len(p) for _, p in kept], batch_size)
         try:
-            run_inline(speculate(target, drafter, kept, self.step_config(), drafter_step=drafter_step,
-                                 stats=self.stats, progress=progress.update, batch_size=batch_size, on_record=emit))
+            run_inline(speculate(target, drafter, [kept[i] for i in order], self.step_config(), drafter_step=drafter_step,
+                                 stats=self.stats, progress=progress.update, batch_size=batch_size,
+                                 on_record=lambda j, rec: emit(order[j], rec)))
         finally:
             progress.close()
         if target.compactions:
@@ -407,7 +430,7 @@ def autoregressive_generate(
     prompts, explicit positions) with a drafter that proposes nothing, so plain and
     speculative decoding share one loop, one cache layout and continuous batching: with
     ``batch_size`` below the number of prompts, rows that end are refilled with the next
-    prompts in order; once the queue is empty they leave the batch. Sampling uses the same
+    prompts (``queue_order``); once the queue is empty they leave the batch. Sampling uses the same
     per-row generators as ``SpeculativeEngine`` (seeded by ``seed`` and the sample id,
     default "0", "1", ...). Prompts are prefilled in chunks of ``prefill_chunk`` tokens.
 
@@ -436,12 +459,18 @@ def autoregressive_generate(
                      temperature=temperature, top_p=top_p, top_k=top_k, teacher="none", seed=seed)
     target = InProcessTarget(target_model, (), slack=max_new_tokens + 2, prefill_chunk=prefill_chunk)
     st: dict = {}
-    recs = run_inline(speculate(target, _NoDrafter(), [(sid, [int(t) for t in p]) for sid, p in zip(sids, prompts)], cfg,
-                                stats=st, batch_size=batch_size))
+    order = queue_order([len(p) for p in prompts], batch_size)
+    outs: list = [None] * B
+
+    def emit(j: int, rec) -> None:
+        outs[order[j]] = rec.input_ids[rec.prompt_len:].tolist()
+
+    run_inline(speculate(target, _NoDrafter(), [(sids[i], [int(t) for t in prompts[i]]) for i in order], cfg,
+                         stats=st, batch_size=batch_size, on_record=emit))
     if stats is not None:
         stats.update(t_prefill=st["t_prefill"], t_decode=st["t_draft"] + st["t_verify"] + st["t_other"],
                      decode_steps=st["batch_steps"], decode_tokens=st["verify_steps"], admissions=st["admissions"])
-    return [rec.input_ids[rec.prompt_len:].tolist() for rec in recs]
+    return outs
 
 
 # ---------------------------------------------------------------------------
