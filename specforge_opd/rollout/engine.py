@@ -234,8 +234,8 @@ class SpeculativeEngine:
         self.runner = TargetRunner.of(target_model)
         self.device = next(target_model.parameters()).device
         self.skipped: list[str] = []
-        #: Squeeze cache holes once the cache has ``compact_min_slots`` slots and the valid
-        #: fraction is below ``compact_below`` (holes cost attention time, squeezing costs a copy).
+        #: Squeeze cache holes once the cache has ``compact_min_slots`` slots and its longest row
+        #: holds fewer than ``compact_below`` of them (holes cost attention time, squeezing a copy).
         self.compact_min_slots = 64
         self.compact_below = 0.5
         #: Counters of the last ``generate`` call (verify steps, generated tokens, seconds per phase).

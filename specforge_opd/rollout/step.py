@@ -620,9 +620,9 @@ class InProcessTarget:
     Prompts are left-padded (pad slots are holes). A verify step appends bs slots
     per row; ``advance`` crops the cache to the batch's longest accepted prefix
     and the slots a row rejected stay as masked holes. Holes are squeezed out
-    (``_compact``) once the cache has ``compact_min_slots`` slots and the valid
-    fraction is below ``compact_below``: holes cost attention time, squeezing
-    costs a copy. Every forward gets a 4-D boolean mask from that map, so each
+    (``_compact``) once the cache has ``compact_min_slots`` slots and its longest
+    row holds fewer than ``compact_below`` of them: holes cost attention time,
+    squeezing costs a copy, and it cannot go below the longest row. Every forward gets a 4-D boolean mask from that map, so each
     row sees exactly its own verified prefix: T=0 equals the target's greedy
     decoding up to numerical ties (DESIGN.md, numerical ties).
 
@@ -672,7 +672,10 @@ class InProcessTarget:
         return Prefilled(logits=self.runner.logits(hidden).float(), rows=rows)
 
     async def verify(self, tokens: list, blocks: torch.Tensor, anchors: torch.Tensor) -> Verified:
-        if self.valid.shape[1] >= self.compact_min_slots and self.valid.float().mean() < self.compact_below:
+        S0 = self.valid.shape[1]
+        # squeezing shortens the cache to its longest row's valid slots: worth a copy only when that
+        # is well below the slots there are (rows of mixed lengths keep a low valid fraction for good)
+        if S0 >= self.compact_min_slots and int(self.valid.sum(1).max()) < self.compact_below * S0:
             self.compactions += 1
             self._compact()
         blocks = blocks.to(self.device)
