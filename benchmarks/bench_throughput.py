@@ -63,6 +63,7 @@ def main() -> None:
     from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate, length_batches
     from specforge_opd.rollout.records import tau_of
     from specforge_opd.stages.opd import _pool
+    from specforge_opd.stages.sft_features import CAPTURE_BATCH
 
     res: dict = {"machine": machine_info(), "command": sys.argv, "alone": "run with nothing else heavy on the machine"}
     gflops = matmul_gflops()
@@ -141,12 +142,12 @@ def main() -> None:
     runner = TargetRunner.of(model)
     t = time.perf_counter()
     got = [None] * len(seqs)
-    for idx in length_batches([len(s) for s in seqs], scfg.sft.batch_size):
+    for idx in length_batches([len(s) for s in seqs], CAPTURE_BATCH):
         for i, (f, _) in zip(idx, capture(runner, [seqs[i] for i in idx], layer_ids)):
             got[i] = f
     cap_after_s = time.perf_counter() - t
     worst = max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref))
-    res["capture"] = {"samples": len(seqs), "batch": scfg.sft.batch_size, "layers": layer_ids,
+    res["capture"] = {"samples": len(seqs), "batch": CAPTURE_BATCH, "layers": layer_ids,
                       "before_samples_per_s": len(seqs) / cap_before_s, "after_samples_per_s": len(seqs) / cap_after_s,
                       "max_relative_difference": worst}
     print(json.dumps(res["capture"]), flush=True)

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 #: Feature files per ``rows_*`` directory (keeps directories listable at 100K samples).
 ROWS_PER_DIR = 1000
+#: Sequences per capture forward. Capture is compute-bound: on the 2-core CPU batches of 1-8
+#: ran at 3.7-4.0 samples/s (the HF forward one at a time: 3.8), 32 at 2.2 (its
+#: attention scores no longer fit the cache).
+CAPTURE_BATCH = 4
 
 
 #: DFlash anchors need a supervised token and a supervised successor
@@ -141,7 +145,7 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
         runner = TargetRunner.of(get_model())
         seqs = [sample_ids(records[i], cfg.target.max_context) for _, i in todo]
         # batches of similar length (little padding), each file written as its batch ends
-        for idx in length_batches([len(x) for x in seqs], cfg.sft.batch_size):
+        for idx in length_batches([len(x) for x in seqs], CAPTURE_BATCH):
             outs = capture(runner, [seqs[k] for k in idx], layer_ids, chunk=cfg.target.prefill_chunk)
             for k, (f, _) in zip(idx, outs):
                 j, i = todo[k]
