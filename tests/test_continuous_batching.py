@@ -176,7 +176,7 @@ def test_a_target_without_admit_refuses_a_continuous_batch(target, drafter):
 @pytest.mark.embedded
 @pytest.mark.slow
 def test_embedded_target_rollout_rows_equal_each_prompt_alone(embedded_target_dir):
-    """The published drafter on real prompts, a continuous batch of 3 over 7 prompts, against each prompt alone."""
+    """The published drafter on real prompts, a continuous batch of 2 over 5 prompts, against each prompt alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specforge_opd.data.chat import render_prompt
@@ -186,19 +186,18 @@ def test_embedded_target_rollout_rows_equal_each_prompt_alone(embedded_target_di
     tok = AutoTokenizer.from_pretrained(embedded_target_dir)
     drafter_model = load_drafter("published:smollm2-135m-instruct-dflash-b8", target_config=model.config)
     texts = ["Write a haiku about the sea.", "What is 17 * 23? Explain.", "def fib(n):\n    # return the n-th Fibonacci number",
-             "Name three uses of copper.", "Summarize the plot of Hamlet in two sentences.", "Solve x^2 - 5x + 6 = 0.",
-             "Translate 'good morning' into French and Spanish, then explain the difference in formality."]
+             "Name three uses of copper.", "Translate 'good morning' into French and Spanish, then explain the difference in formality."]
     prompts = [tok(render_prompt(tok, [{"role": "user", "content": t}], thinking=False), add_special_tokens=False)["input_ids"]
                for t in texts]
     stops = [tok.eos_token_id]
-    rc = RolloutConfig(max_new_tokens=40, teacher="full")
+    rc = RolloutConfig(max_new_tokens=32, teacher="full")
     engine = SpeculativeEngine(model, drafter_model, rc, stop_token_ids=stops, mask_token_id=drafter_mask_token_id(drafter_model))
     ids = [f"q{i}" for i in range(len(prompts))]
-    got = engine.generate(prompts, ids, batch_size=3)
-    assert engine.stats["admissions"] == len(prompts) - 3
-    assert_same_records(got, _alone(engine, prompts, ids), "embedded target, batch 3")
-    outs = autoregressive_generate(model, prompts, 40, stops, batch_size=3)
-    assert outs == [autoregressive_generate(model, [p], 40, stops)[0] for p in prompts]
+    got = engine.generate(prompts, ids, batch_size=2)
+    assert engine.stats["admissions"] == len(prompts) - 2
+    assert_same_records(got, _alone(engine, prompts, ids), "embedded target, batch 2")
+    outs = autoregressive_generate(model, prompts, 32, stops, batch_size=2)
+    assert outs == [autoregressive_generate(model, [p], 32, stops)[0] for p in prompts]
 
 
 def _hf_features(model, seq, layer_ids):
