@@ -8,11 +8,12 @@ import pytest
 import torch
 
 try:  # tests/ may or may not be a package
-    from conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
-    from test_rollout import STOP, OracleEngine, _OracleDrafter, _prompts
+    from conftest import TINY_MASK
+    # the same tiny target, drafter and no-grad fixtures as the rollout tests
+    from test_rollout import STOP, OracleEngine, _no_grad, _OracleDrafter, _prompts, drafter, target  # noqa: F401
 except ImportError:
-    from .conftest import TINY_MASK, make_tiny_drafter, make_tiny_target
-    from .test_rollout import STOP, OracleEngine, _OracleDrafter, _prompts
+    from .conftest import TINY_MASK
+    from .test_rollout import STOP, OracleEngine, _no_grad, _OracleDrafter, _prompts, drafter, target  # noqa: F401
 
 from specforge_opd.config import RolloutConfig
 from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
@@ -43,22 +44,6 @@ class _RowOracleDrafter(_OracleDrafter):
             noise = torch.rand(len(chain), generator=g) < self.engine.corrupt
             out[j] = torch.where(noise, torch.randint(3, V - 1, (len(chain),), generator=g), torch.tensor(chain))
         return dataclasses.replace(d, tokens=out)
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_target(seed=0)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    return make_tiny_drafter(target, seed=1, block_size=4)
 
 
 def assert_same_records(got: list[RolloutRecord], ref: list[RolloutRecord], what: str) -> None:
