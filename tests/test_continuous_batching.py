@@ -68,8 +68,8 @@ def _alone(engine, prompts, ids):
 
 @pytest.mark.parametrize("teacher", ["full", "topk"])
 def test_speculative_rows_equal_each_prompt_alone(target, drafter, teacher):
-    """Mixed prompt lengths (a later prompt longer than the batch's cache: hole slots in front), a stop token
-    that ends rows early, an oracle drafter that accepts several tokens (holes, compaction)."""
+    """Mixed prompt lengths, stop tokens that end rows early, an oracle drafter that accepts several tokens
+    (holes, compaction), the engine's own queue order."""
     prompts = _prompts([5, 3, 17, 9, 2, 30, 6, 11])
     ids = [f"p{i}" for i in range(len(prompts))]
     rc = RolloutConfig(max_new_tokens=20, teacher=teacher, teacher_topk=4)
@@ -85,7 +85,7 @@ def test_speculative_rows_equal_each_prompt_alone(target, drafter, teacher):
     assert_same_records(plain.generate(prompts, ids, batch_size=2), _alone(plain, prompts, ids), "dflash drafter, batch 2")
 
 
-def test_a_row_ending_on_its_prefill_token_is_refilled_before_the_first_draft(target, drafter):
+def test_a_row_ending_on_its_prefill_token_is_refilled_before_the_first_draft(target, drafter, nan_caches_in_prompt_order):
     """The refill before any draft goes into the drafter's pending context, not its (empty) cache."""
     prompts = _prompts([6, 4, 9, 12, 3])
     first = [o[0] for o in autoregressive_generate(target, prompts, 1, [])]
@@ -95,6 +95,7 @@ def test_a_row_ending_on_its_prefill_token_is_refilled_before_the_first_draft(ta
     ids = [str(i) for i in range(len(prompts))]
     got = engine.generate(prompts, ids, batch_size=2)
     assert got[1].num_blocks == 0 and got[1].completion_tokens == 1
+    assert nan_caches_in_prompt_order["before_first_draft"] >= 1
     assert_same_records(got, _alone(engine, prompts, ids), "refill before the first draft")
 
 
@@ -255,3 +256,83 @@ def test_rows_of_mixed_lengths_are_not_compacted_every_step(target, monkeypatch)
     prompts = _prompts([2, 2, 3, 70])  # valid fraction about 0.28, the longest row fills every slot
     outs = autoregressive_generate(target, prompts, 20, [])
     assert calls == [] and all(len(o) == 20 for o in outs)
+
+
+@pytest.fixture
+def nan_caches_in_prompt_order(monkeypatch):
+    """Fresh cache memory filled with NaN (what ``torch.empty`` may hold), prompts taken in the given order (so a
+    later prompt can be longer than the cache), and counters of the paths that order reaches."""
+    from specforge_opd.rollout import decode, engine, step
+
+    real_init, real_pad, real_admit = decode.KVCache.__init__, decode.KVCache.pad_front, step.InProcessTarget.admit
+    seen = {"grown": 0, "before_first_draft": 0}
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        for buf in self.keys + self.values:
+            buf.fill_(float("nan"))
+
+    def pad(self, n):
+        seen["grown"] += n > 0
+        return real_pad(self, n)
+
+    async def admit(self, rows, prompts):
+        seen["before_first_draft"] += bool(self.slot_caches) and self.pending[1].shape[1] == self.valid.shape[1]
+        return await real_admit(self, rows, prompts)
+
+    monkeypatch.setattr(decode.KVCache, "__init__", init)
+    monkeypatch.setattr(decode.KVCache, "pad_front", pad)
+    monkeypatch.setattr(step.InProcessTarget, "admit", admit)
+    monkeypatch.setattr(engine, "queue_order", lambda lengths, batch_size, window_batches=4: list(range(len(lengths))))
+    return seen
+
+
+def test_admissions_that_grow_the_cache_or_come_before_the_first_draft_stay_exact(target, drafter, nan_caches_in_prompt_order):
+    """A short first batch, a row that ends on its prefill token, then a prompt longer than the cache: hole slots
+    are added in front (they must be zeros: NaN in a masked slot still poisons every row) and the first refill
+    goes into the drafter's pending context."""
+    seen = nan_caches_in_prompt_order
+    prompts = _prompts([3, 5, 20, 4, 34, 2, 9])
+    first = [o[0] for o in autoregressive_generate(target, prompts[:1], 1, [])]
+    rc = RolloutConfig(max_new_tokens=10, teacher="full")
+    engine = SpeculativeEngine(target, drafter, rc, stop_token_ids=[first[0], STOP], mask_token_id=TINY_MASK)
+    ids = [f"g{i}" for i in range(len(prompts))]
+    got = engine.generate(prompts, ids, batch_size=2)
+    assert seen["grown"] >= 1 and seen["before_first_draft"] >= 1
+    assert_same_records(got, _alone(engine, prompts, ids), "grown cache, refill before the first draft")
+    plain = autoregressive_generate(target, prompts, 12, [STOP], batch_size=2)
+    assert plain == [autoregressive_generate(target, [p], 12, [STOP])[0] for p in prompts]
+
+
+def test_in_order_shards_keep_repeated_ids_and_bound_what_waits(tmp_path):
+    """Hub rows without ids share ids across sources: every record is written once. One long early row cannot
+    hold back more than max_waiting records: they are written ahead of it, sorted."""
+    from specforge_opd.rollout.records import RolloutRecord
+
+    def rec(sid):
+        return RolloutRecord(sample_id=sid, input_ids=torch.tensor([5, 6, 7]), prompt_len=2, anchors=torch.tensor([2]),
+                             drafts=torch.tensor([[9, 9, 9]]), accepted=torch.tensor([0]), features=None, finished=True,
+                             drafter_step=0)
+
+    class Collect:
+        def __init__(self):
+            self.shards = []
+
+        def write(self, recs):
+            self.shards.append([r.sample_id for r in recs])
+
+    w = Collect()
+    shards = InOrderShards(w, ["x", "dup", "dup", "y"], 2)
+    for sid in ["dup", "dup", "y", "x"]:
+        shards.add(rec(sid))
+    shards.close()
+    assert w.shards == [["x", "dup"], ["dup", "y"]]
+    # a long first row: the rest are written ahead of it once more than 3 wait, and nothing twice
+    w = Collect()
+    order = [f"s{i}" for i in range(9)]
+    shards = InOrderShards(w, order, 2, max_waiting=3)
+    for sid in order[1:] + order[:1]:
+        shards.add(rec(sid))
+    shards.close()
+    flat = [s for shard in w.shards for s in shard]
+    assert sorted(flat) == sorted(order) and shards.overflows >= 1 and flat[:4] == ["s1", "s2", "s3", "s4"]

@@ -124,7 +124,12 @@ class KVCache:
                 buf[rows.to(buf.device), :, :width] = sb[layer][:, :, :width]
 
     def pad_front(self, n: int) -> None:
-        """Insert ``n`` slots before slot 0 in every row (holes: their contents are undefined)."""
+        """Insert ``n`` hole slots before slot 0 in every row, zeroed.
+
+        Zeroed, not left as they were: attention reads every slot and masks holes with a
+        -inf score and a zero weight, and ``0 * NaN`` (fresh ``torch.empty`` memory) would
+        poison every row of the batch.
+        """
         if n <= 0:
             return
         L = self.length
@@ -132,6 +137,7 @@ class KVCache:
         for bufs in (self.keys, self.values):
             for buf in bufs:
                 buf[:, :, n:n + L] = buf[:, :, :L].clone()
+                buf[:, :, :n].zero_()
         self.length = L + n
 
 

@@ -64,15 +64,14 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 # one-forward helpers (random anchors, tests, trainers that recompute)
 
 
-@torch.no_grad()
 def queue_order(lengths: Sequence[int], batch_size: Optional[int], window_batches: int = 4) -> list[int]:
     """The order a continuous batch takes prompts in: windows of ``window_batches * batch_size``
     consecutive prompts, each longest first.
 
     Rows of similar length share the cache with fewer hole slots (attention reads every slot
     of the batch), and longest first means an admitted prompt usually fits the slots already
-    there. The window keeps the order close to the prompts' own, so writers that emit in
-    prompt order (``shards.InOrderShards``) hold about one window of finished rows.
+    there. The window keeps the order close to the prompts' own, which writers that emit in
+    prompt order (``shards.InOrderShards``) need to hold few finished rows.
     Returns indices into ``lengths``; None or a batch as large as the list: the given order.
     """
     n = len(lengths)
@@ -85,6 +84,7 @@ def queue_order(lengths: Sequence[int], batch_size: Optional[int], window_batche
     return out
 
 
+@torch.no_grad()
 def target_forward(target, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache, layer_ids):
     """One target forward returning (final-norm hidden [B, q, H], context features [B, q, n*H]).
 

@@ -240,8 +240,11 @@ class InOrderShards:
 
     A continuous batch ends rows out of prompt order; a record waits here until every
     sequence before it in ``order`` has arrived (or was skipped), so the shards list
-    sequences in prompt order and a killed run resumes at a prompt boundary. The wait is
-    bounded by the batch: rows start in prompt order.
+    sequences in prompt order and a killed run resumes at a prompt boundary. One long row
+    can hold back everything that ends behind it, so at most ``max_waiting`` records wait:
+    past that, the waiting ones are written at once (still sorted among themselves), which
+    bounds the memory (each record holds its features and teacher) at the cost of order.
+    Sample ids that repeat are each written once, in arrival order among themselves.
 
     Args:
         writer: the ``ShardWriter``.
@@ -249,34 +252,63 @@ class InOrderShards:
         per: sequences per shard (the last may hold fewer).
         skipped: returns ids that will never arrive (prompts the engine skipped).
         on_write: called with each written shard's records.
+        max_waiting: records held back at most (default: 4 shards' worth, at least 64).
     """
 
-    def __init__(self, writer: "ShardWriter", order: list, per: int, skipped=lambda: (), on_write=None):
+    def __init__(self, writer: "ShardWriter", order: list, per: int, skipped=lambda: (), on_write=None,
+                 max_waiting: Optional[int] = None):
         self.writer, self.order, self.per = writer, [str(s) for s in order], max(1, int(per))
         self.skipped, self.on_write = skipped, on_write
-        self.waiting: dict[str, RolloutRecord] = {}
+        self.max_waiting = int(max_waiting) if max_waiting is not None else max(64, 4 * self.per)
+        self.rank = {}
+        for i, s in enumerate(self.order):
+            self.rank.setdefault(s, i)
+        self.waiting: dict[str, list] = {}
+        self.n_waiting = 0
+        self.ahead: dict[str, int] = {}  # records written before their turn, per id
         self.ready: list[RolloutRecord] = []
         self.pos = 0
+        #: Times the waiting records were written ahead of order (``max_waiting`` reached).
+        self.overflows = 0
 
     def add(self, rec: RolloutRecord) -> None:
         """Take one finished record; write every full shard that is now in order."""
-        self.waiting[str(rec.sample_id)] = rec
-        gone = set(self.skipped())
-        while self.pos < len(self.order) and (self.order[self.pos] in self.waiting or self.order[self.pos] in gone):
-            r = self.waiting.pop(self.order[self.pos], None)
-            if r is not None:
-                self.ready.append(r)
+        self.waiting.setdefault(str(rec.sample_id), []).append(rec)
+        self.n_waiting += 1
+        gone = None
+        while self.pos < len(self.order):
+            sid = self.order[self.pos]
+            if self.waiting.get(sid):
+                self.ready.append(self.waiting[sid].pop(0))
+                self.n_waiting -= 1
+            elif self.ahead.get(sid):
+                self.ahead[sid] -= 1
+            else:
+                gone = set(self.skipped()) if gone is None else gone
+                if sid not in gone:
+                    break
             self.pos += 1
+        if self.n_waiting > self.max_waiting:
+            self.overflows += 1
+            drained = self._drain_waiting()
+            for r in drained:
+                self.ahead[str(r.sample_id)] = self.ahead.get(str(r.sample_id), 0) + 1
+            self.ready += drained
         while len(self.ready) >= self.per:
             self._write(self.ready[: self.per])
             self.ready = self.ready[self.per:]
 
     def close(self) -> None:
         """Write what is left (records still waiting come after the ready ones, in order)."""
-        rest = self.ready + [self.waiting[s] for s in self.order if s in self.waiting]
-        self.ready, self.waiting = [], {}
+        rest = self.ready + self._drain_waiting()
+        self.ready = []
         for i in range(0, len(rest), self.per):
             self._write(rest[i:i + self.per])
+
+    def _drain_waiting(self) -> list:
+        out = sorted((r for rs in self.waiting.values() for r in rs), key=lambda r: self.rank.get(str(r.sample_id), 0))
+        self.waiting, self.n_waiting = {}, 0
+        return out
 
     def _write(self, recs: list) -> None:
         if recs:
