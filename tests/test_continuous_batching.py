@@ -262,7 +262,8 @@ def test_rows_of_mixed_lengths_are_not_compacted_every_step(target, monkeypatch)
 def nan_caches_in_prompt_order(monkeypatch):
     """Fresh cache memory filled with NaN (what ``torch.empty`` may hold), prompts taken in the given order (so a
     later prompt can be longer than the cache), and counters of the paths that order reaches."""
-    from specforge_opd.rollout import decode, engine, step
+    from specforge_opd.rollout import decode, step
+    from specforge_opd.rollout import engine as engine_module
 
     real_init, real_pad, real_admit = decode.KVCache.__init__, decode.KVCache.pad_front, step.InProcessTarget.admit
     seen = {"grown": 0, "before_first_draft": 0}
@@ -283,7 +284,7 @@ def nan_caches_in_prompt_order(monkeypatch):
     monkeypatch.setattr(decode.KVCache, "__init__", init)
     monkeypatch.setattr(decode.KVCache, "pad_front", pad)
     monkeypatch.setattr(step.InProcessTarget, "admit", admit)
-    monkeypatch.setattr(engine, "queue_order", lambda lengths, batch_size, window_batches=4: list(range(len(lengths))))
+    monkeypatch.setattr(engine_module, "queue_order", lambda lengths, batch_size, window_batches=4: list(range(len(lengths))))
     return seen
 
 
