@@ -252,7 +252,7 @@ def test_rows_of_mixed_lengths_are_not_compacted_every_step(target, monkeypatch)
 
     calls = []
     real = step.InProcessTarget._compact
-    monkeypatch.setattr(step.InProcessTarget, "_compact", lambda self: (calls.append(1), real(self))[1])
+    monkeypatch.setattr(step.InProcessTarget, "_compact", lambda self, *a: (calls.append(1), real(self, *a))[1])
     prompts = _prompts([2, 2, 3, 70])  # valid fraction about 0.28, the longest row fills every slot
     outs = autoregressive_generate(target, prompts, 20, [])
     assert calls == [] and all(len(o) == 20 for o in outs)

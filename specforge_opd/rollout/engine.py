@@ -23,7 +23,7 @@ import torch
 
 from specforge_opd.config import RolloutConfig
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
-from specforge_opd.rollout.decode import TargetRunner, left_pad, prefill, step_mask
+from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import (
     CachedDFlashDrafter,
@@ -390,6 +390,19 @@ class SpeculativeEngine:
         return rec
 
 
+def generate_to_shards(engine: "SpeculativeEngine", prompts: list, writer, *, per: int, batch_size: int,
+                       drafter_step: int = 0, on_write: Optional[Callable[[list], None]] = None) -> None:
+    """Roll out ``prompts`` ([(sample_id, ids)]) in one continuous batch of ``batch_size`` rows into
+    ``writer`` (``shards.ShardWriter``) as shards of ``per`` sequences, in prompt order
+    (``shards.InOrderShards``); ``on_write`` sees each written shard's records."""
+    from specforge_opd.rollout.shards import InOrderShards
+
+    shards = InOrderShards(writer, [s for s, _ in prompts], per, skipped=lambda: engine.skipped, on_write=on_write)
+    engine.generate([p for _, p in prompts], [s for s, _ in prompts], drafter_step=drafter_step,
+                    batch_size=batch_size, on_record=shards.add)
+    shards.close()
+
+
 def _progress(total: int, disable: bool):
     from tqdm import tqdm
 
@@ -544,8 +557,6 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         return 0
     from tqdm import tqdm
 
-    from specforge_opd.rollout.shards import InOrderShards
-
     steps = toks = 0
     bar = tqdm(total=len(prompts), desc="rollout", unit="seq")
 
@@ -555,12 +566,8 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         toks += sum(r.completion_tokens for r in recs)
         bar.update(len(recs))
 
-    # one continuous batch of rollout.batch_size rows; shards of rollout.sequences_per_shard, in prompt order
-    shards = InOrderShards(writer, [s for s, _ in prompts], cfg.rollout.sequences_per_shard,
-                           skipped=lambda: engine.skipped, on_write=on_write)
-    engine.generate([p for _, p in prompts], [s for s, _ in prompts], drafter_step=drafter_step,
-                    batch_size=cfg.rollout.batch_size, on_record=shards.add)
-    shards.close()
+    generate_to_shards(engine, prompts, writer, per=cfg.rollout.sequences_per_shard, batch_size=cfg.rollout.batch_size,
+                       drafter_step=drafter_step, on_write=on_write)
     bar.close()
     skipped = len(engine.skipped)
     tau = toks / steps if steps else 0.0

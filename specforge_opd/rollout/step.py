@@ -675,9 +675,11 @@ class InProcessTarget:
         S0 = self.valid.shape[1]
         # squeezing shortens the cache to its longest row's valid slots: worth a copy only when that
         # is well below the slots there are (rows of mixed lengths keep a low valid fraction for good)
-        if S0 >= self.compact_min_slots and int(self.valid.sum(1).max()) < self.compact_below * S0:
-            self.compactions += 1
-            self._compact()
+        if S0 >= self.compact_min_slots:
+            width = int(self.valid.sum(1).max())
+            if width < self.compact_below * S0:
+                self.compactions += 1
+                self._compact(width)
         blocks = blocks.to(self.device)
         block_pos = anchors.to(self.device).unsqueeze(1) + torch.arange(blocks.shape[1], device=self.device)
         S = self.valid.shape[1]
@@ -760,10 +762,9 @@ class InProcessTarget:
         rows_out = None if feats is None else [feats[b, valid[b]] for b in range(k)]
         return Prefilled(logits=self.runner.logits(hidden).float(), rows=rows_out)
 
-    def _compact(self) -> None:
-        """Squeeze the holes out of every slot-layout cache, keeping each row's slot order."""
-        counts = self.valid.sum(1)
-        width = int(counts.max())
+    def _compact(self, width: int) -> None:
+        """Squeeze the holes out of every slot-layout cache, keeping each row's slot order; ``width``
+        = the longest row's valid slots, the squeezed cache's length."""
         B, S = self.valid.shape
         # sort holes first, valid slots last, stable so the valid slots keep their order (left padding)
         key = self.valid.long() * (S + 1) + torch.arange(S, device=self.valid.device)

@@ -210,10 +210,9 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
                        out_dir=shard_dir)
         todo = []
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq", disable=rank != 0, dynamic_ncols=True)
-    from specforge_opd.rollout.shards import InOrderShards
+    from specforge_opd.rollout.engine import generate_to_shards
 
     written: list = []
-
     shards_now = 0
 
     def on_write(recs):
@@ -230,12 +229,8 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
             raise InjectedFault(f"injected fault in the rollout phase after {shards_now} shards")
 
     if todo:
-        # one continuous batch of rollout.batch_size rows over every prompt left; shards of that many
-        # sequences, in prompt order
-        shards = InOrderShards(writer, [s for s, _ in todo], bs, skipped=lambda: engine.skipped, on_write=on_write)
-        engine.generate([p for _, p in todo], [s for s, _ in todo], drafter_step=drafter_step, batch_size=bs,
-                        on_record=shards.add)
-        shards.close()
+        # shards of rollout.batch_size sequences, in prompt order
+        generate_to_shards(engine, todo, writer, per=bs, batch_size=bs, drafter_step=drafter_step, on_write=on_write)
     bar.close()
     seconds = time.perf_counter() - t0
     # Stats over everything in the spool (resumed batches included), without features.

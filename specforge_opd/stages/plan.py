@@ -298,8 +298,7 @@ def estimate_rank_memory(cfg: ExperimentConfig, target_config, world: int = 1, *
     return out
 
 
-def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Optional[int],
-                 on_gpu: Optional[bool] = None) -> dict:
+def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts: Optional[int]) -> dict:
     """Upper-bound memory and disk estimates of the SFT stage (bytes; no weights loaded).
 
     Returns ``{"target_params", "target_weights_bytes", "drafter_params",
@@ -314,15 +313,14 @@ def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts
     logits chunk of min(num_anchors, 128) blocks * block_size * vocab fp32 (x3 for
     softmax and its gradient).
 
-    ``on_gpu``: plan for GPUs (None: unless ``target.device`` is ``cpu``, so a laptop's
-    ``--dry-run`` of a cluster config plans the cluster's run). ``precision`` in the result
-    is ``training.mixed_precision`` resolved for that device (``precision.resolve_sft``).
+    The plan is for GPUs unless ``target.device`` is ``cpu``, so a laptop's ``--dry-run`` of a
+    cluster config plans the cluster's run. ``precision`` in the result is
+    ``training.mixed_precision`` resolved for that device (``precision.resolve_sft``).
     """
     from specforge_opd.precision import resolve_sft
 
-    if on_gpu is None:
-        on_gpu = cfg.target.device != "cpu"
-    precision = resolve_sft(cfg.training.mixed_precision, cfg.target.dtype, "cuda" if on_gpu else "cpu")
+    plan_device = "cpu" if cfg.target.device == "cpu" else "cuda"
+    precision = resolve_sft(cfg.training.mixed_precision, cfg.target.dtype, plan_device)
 
     t = getattr(target_config, "text_config", target_config)
     H, V, L = int(t.hidden_size), int(t.vocab_size), int(t.num_hidden_layers)
