@@ -363,8 +363,27 @@ def test_plan_slots_verified_stream_adds_the_bonus_slot_once():
         plan_slots(torch.tensor([1]), 4, accepted_stream="bonus")
     # a block the sequence's end cut short has no bonus token: no accepted-term entry past the end
     cut = plan_slots(torch.tensor([1, 0]), 4, accepted_stream="verified", bonus_kept=torch.tensor([True, False]))
-    assert cut.block.tolist() == [0, 0, 0, 0, 1, 1, 1] and cut.n_acc() == 2
-    assert cut.slot.tolist() == [1, 2, 2, 3, 1, 2, 3] and cut.rejected.tolist()[4:] == [True, True, True]
+    assert cut.block.tolist() == [0, 0, 0, 0] and cut.n_acc() == 2
+    assert cut.slot.tolist() == [1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("loss", ["mixed", "all_forward", "all_reverse", "naive_target_assisted"])
+@pytest.mark.parametrize("stream", ["eq1", "verified"])
+def test_block_cut_short_trains_no_rejected_suffix(loss, stream):
+    """The last block, cut by a stop token or the budget, trains its kept accepted slots only:
+    its later slots were not rejected by verification (r_m is clipped to the tokens kept)."""
+    acc = torch.tensor([1, 2])
+    full = plan_slots(acc, 5, loss=loss, accepted_stream=stream)
+    cut = plan_slots(acc, 5, loss=loss, accepted_stream=stream, bonus_kept=torch.tensor([True, False]))
+    # block 0 is untouched
+    b0 = full.block == 0
+    assert cut.slot[cut.block == 0].tolist() == full.slot[b0].tolist()
+    assert cut.rejected[cut.block == 0].tolist() == full.rejected[b0].tolist()
+    # block 1: slots 1..r_1 = 1, 2, accepted term, weight 1; nothing past them
+    b1 = cut.block == 1
+    assert cut.slot[b1].tolist() == [1, 2]
+    assert not cut.rejected[b1].any() and cut.weight[b1].tolist() == [1.0, 1.0]
+    assert cut.w_rej() == pytest.approx(float(full.weight[b0 & full.rejected].sum()))
 
 
 @pytest.mark.parametrize("combine", ["eq1", "pooled"])

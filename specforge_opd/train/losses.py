@@ -98,9 +98,12 @@ def plan_slots(
             slot r_m+1 of a block with r_m < bs-1 is planned twice: once in the accepted
             term, weight 1, in the accepted term's direction, and once as the rejected draft
             it also is). ``naive_target_assisted`` is the verified stream already.
-        bonus_kept: bool [M], whether block m's bonus token is in the sequence (False for
-            the block a stop token or the token budget cut short: its slot r_m+1 lies past
-            the end, so ``verified`` adds no accepted-term entry there). None: all kept.
+        bonus_kept: bool [M], whether block m's bonus token is in the sequence. False marks
+            the block a stop token or the token budget cut short: its r_m was clipped to the
+            tokens kept, so its slots after r_m are not verified rejections (verification
+            may have accepted them) and lie past the end of the sequence. Such a block
+            trains slots 1..r_m only: no rejected suffix (as the authors' code stores none
+            there), no naive bonus slot, no ``verified`` bonus entry. None: all kept.
 
     Returns:
         SlotPlan over the trained slots, ordered by (block, slot); a doubly planned bonus
@@ -139,6 +142,10 @@ def plan_slots(
             reverse = torch.ones_like(rejected)
         exponent = (k - 1) if decay_from == "slot1" else (k - r - 1)
         weight = torch.where(rejected, torch.tensor(rejected_decay, dtype=torch.float64) ** exponent.double(), 1.0).float()
+    cut = None
+    if bonus_kept is not None:
+        cut = ~torch.as_tensor(bonus_kept, dtype=torch.bool).view(-1, 1)
+        keep = keep & ~(cut & (k > r))
     blocks = torch.arange(M).view(-1, 1).expand(M, block_size - 1)
     plan = SlotPlan(
         block=blocks[keep],
@@ -150,8 +157,8 @@ def plan_slots(
     if accepted_stream == "eq1" or loss == "naive_target_assisted":
         return plan
     bonus = k == r + 1  # at most one slot per block; none when all bs-1 drafts were accepted
-    if bonus_kept is not None:
-        bonus = bonus & torch.as_tensor(bonus_kept, dtype=torch.bool).view(-1, 1)
+    if cut is not None:
+        bonus = bonus & ~cut
     extra_reverse = loss == "all_reverse"  # the accepted term's direction in this variant
     n = int(bonus.sum())
     merged = SlotPlan(
