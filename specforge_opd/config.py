@@ -229,6 +229,12 @@ class OPDConfig(Section):
     spool_budget_bytes: int = Field(default=8 * 2**30, gt=0)
     keep_shards: bool = False
     eval_every: int = Field(default=1, ge=0)
+    #: Validation curve: prompts of the pool after ``data.num_prompts`` (never rolled out),
+    #: on which every refresh's drafter (and the start) is replayed offline at T=0; 0: off.
+    val_prompts: int = Field(default=0, ge=0)
+    #: The drafter exported as ``final`` when validating: the refresh with the highest
+    #: validation tau (``best_val``, as the SFT stage selects), or the last one.
+    select: Literal["best_val", "last"] = "best_val"
 
 
 class EvalConfig(Section):

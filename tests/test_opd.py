@@ -110,3 +110,41 @@ def test_opd_loop_over_sglang_verify_standin(tmp_path):
     b = [json.loads(l) for l in (tmp_path / "http" / "opd_metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_tau"] for r in b] == pytest.approx([r["rollout_tau"] for r in a])
     assert [r["rollout_verify_steps"] for r in b] == [r["rollout_verify_steps"] for r in a]
+
+
+def test_opd_validation_curve_selects_the_best_refresh(tmp_path):
+    """With opd.val_prompts, the start and every refresh get a validation tau on held-out prompts; final is the
+    best refresh (opd.select=best_val) or the last, and records the whole run's FLOPs for a matched baseline."""
+    from specforge_opd.stages.opd import run_opd
+    from specforge_opd.stages.opd_validation import OPD_CURVE_FILE
+    from specforge_opd.eval.validation import read_curve
+
+    cfg, bundle, prompts = _setup(tmp_path, "val")
+    g = torch.Generator().manual_seed(9)
+    val = [(f"v{i}", torch.randint(3, 90, (6,), generator=g).tolist()) for i in range(3)]
+    cfg = load_config(None, [f"{k}={v}" for k, v in {
+        "output.dir": tmp_path / "val", "draft.path": cfg.draft.path, "draft.block_size": 4, "draft.num_hidden_layers": 2,
+        "rollout.batch_size": 2, "rollout.max_new_tokens": 10, "opd.prompts_per_step": 2, "opd.prompts_per_iteration": 4,
+        "training.num_epochs": 1, "training.checkpoint_interval": 1, "output.tensorboard": "false",
+        "target.max_context": 64, "opd.val_prompts": 3, "training.learning_rate": 3e-2}.items()])
+    final = run_opd(cfg, target=bundle, prompts=prompts, val_prompts=val)
+    out = tmp_path / "val"
+    curve = read_curve(out, OPD_CURVE_FILE)
+    assert [p["step"] for p in curve] == [0, 1, 2] and all(p["tau"] >= 1.0 for p in curve)
+    assert curve[0]["opd_flops"] == 0.0 and curve[1]["opd_flops"] < curve[2]["opd_flops"]
+    best = max(curve[1:], key=lambda p: (p["tau"], -p["step"]))
+    meta = json.loads((final / "specforge_opd.json").read_text())
+    assert meta["validation"]["selected_refresh"] == best["step"]
+    assert meta["opd_run_flops"]["drafter_budget"] == pytest.approx(curve[2]["opd_flops"])
+    want = _params(best["export"])
+    assert all(torch.equal(v, want[k]) for k, v in _params(final).items())
+    assert (out / "opd_curve.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines()]
+    assert [r["val_tau"] for r in rows] == [p["tau"] for p in curve[1:]]
+    # the validated points are read back, not measured again, when the finished run is started again
+    before = (out / OPD_CURVE_FILE).read_text()
+    run_opd(cfg.model_copy(update={"opd": cfg.opd.model_copy(update={"select": "last"})}), target=bundle, prompts=prompts,
+            val_prompts=val)
+    assert (out / OPD_CURVE_FILE).read_text() == before
+    last = _params(curve[2]["export"])
+    assert all(torch.equal(v, last[k]) for k, v in _params(out / "final").items())

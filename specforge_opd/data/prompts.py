@@ -570,6 +570,28 @@ def training_pool(data_cfg, *, cache: Optional[str | os.PathLike] = None, tokeni
 # rendering and tokenizing for SFT response generation
 
 
+def held_out_prompts(data_cfg, count: int, *, field: str, cache: Optional[str | os.PathLike] = None,
+                     tokenizer=None) -> list[PromptRecord]:
+    """The ``count`` prompts of the training pool right after the ``data.num_prompts`` a stage trains on.
+
+    The pool is shuffled with ``data.seed`` and then capped, so a larger cap keeps the
+    trained prompts first: these are never trained on, and, like the whole pool, they
+    exclude the evaluation sets. ``field`` names the setting that asked for them in errors.
+
+    Raises:
+        PromptsError: ``data.num_prompts`` is unset (the whole pool trains), or no prompt is left after it.
+    """
+    if data_cfg.num_prompts is None:
+        raise PromptsError(f"{field} needs data.num_prompts: held-out prompts come from the pool after the trained ones")
+    n = data_cfg.num_prompts
+    pool = training_pool(data_cfg.model_copy(update={"num_prompts": n + count}), cache=cache, tokenizer=tokenizer)
+    held = pool[n: n + count]
+    if not held:
+        raise PromptsError(f"{field}={count}: the pool has no prompt after data.num_prompts={n}; "
+                           "lower data.num_prompts or add data slices")
+    return held
+
+
 def render_training_prompt(tokenizer, record, cfg) -> str:
     """The generation prompt of a ``PromptRecord`` exactly as rollout renders it.
 

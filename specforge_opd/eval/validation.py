@@ -35,20 +35,20 @@ def segment_ends(total_steps: int, interval: int) -> list[int]:
     return ends + [total_steps]
 
 
-def read_curve(run_dir: Path) -> list[dict]:
-    """The points measured so far (``curve.jsonl`` under ``run_dir``), in step order."""
-    p = Path(run_dir) / CURVE_FILE
+def read_curve(run_dir: Path, name: str = CURVE_FILE) -> list[dict]:
+    """The points measured so far (``name`` under ``run_dir``, default ``curve.jsonl``), in step order."""
+    p = Path(run_dir) / name
     if not p.is_file():
         return []
     pts = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     return sorted(pts, key=lambda x: x["step"])
 
 
-def add_point(run_dir: Path, point: dict) -> list[dict]:
-    """Record a point (replacing one at the same step) atomically; returns the curve."""
-    pts = [p for p in read_curve(run_dir) if p["step"] != point["step"]] + [point]
+def add_point(run_dir: Path, point: dict, name: str = CURVE_FILE) -> list[dict]:
+    """Record a point (replacing one at the same step) atomically in ``name``; returns the curve."""
+    pts = [p for p in read_curve(run_dir, name) if p["step"] != point["step"]] + [point]
     pts.sort(key=lambda x: x["step"])
-    atomic_write_text(Path(run_dir) / CURVE_FILE, "".join(json.dumps(p) + "\n" for p in pts))
+    atomic_write_text(Path(run_dir) / name, "".join(json.dumps(p) + "\n" for p in pts))
     return pts
 
 
@@ -115,22 +115,32 @@ class ValidationSet:
             return tau_of(offline_tau(drafter.eval(), self.model, trajs, desc="validation replay"))
 
 
-def plot_curve(points: Sequence[dict], path: Path, selected_step: Optional[int] = None) -> Path:
-    """``sft_curve.png``: validation tau against cumulative drafter-training FLOPs, the selected point marked."""
+def plot_curve(points: Sequence[dict], path: Path, selected_step: Optional[int] = None, *, label: str = "SFT",
+               references: Optional[dict[str, Sequence[dict]]] = None) -> Path:
+    """A validation-curve plot: tau against cumulative drafter-training FLOPs, the selected point marked.
+
+    ``points``: dicts with ``step``, ``tau``, ``drafter_flops`` (``sft_curve.png``, ``opd_curve.png``).
+    ``references``: other curves drawn on the same axes, by label (OPD's plot shows the
+    SFT curve of the drafter it started from, so both read against the same compute).
+    """
     from specforge_opd.eval.plots import plt
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
-    xs = [p["drafter_flops"] for p in points]
-    ax.plot(xs, [p["tau"] for p in points], marker="o")
+    for i, (name, ref) in enumerate((references or {}).items()):
+        ref = [p for p in ref if p.get("drafter_flops") is not None]
+        ax.plot([p["drafter_flops"] for p in ref], [p["tau"] for p in ref], marker=".", color=f"C{i + 1}", alpha=0.8,
+                label=name)
+    ax.plot([p["drafter_flops"] for p in points], [p["tau"] for p in points], marker="o", color="C0", label=label)
     for p in points:
         if p["step"] == selected_step:
-            ax.plot([p["drafter_flops"]], [p["tau"]], marker="*", markersize=14, color="C3", label=f"exported (step {p['step']})")
+            ax.plot([p["drafter_flops"]], [p["tau"]], marker="*", markersize=14, color="C3", linestyle="none",
+                    label=f"exported (step {p['step']})")
     ax.set_xlabel("cumulative drafter-training FLOPs")
     ax.set_ylabel("validation tau")
-    ax.set_title("SFT validation curve")
-    if selected_step is not None:
-        ax.legend(loc="lower right")
+    ax.set_title(f"{label} validation curve")
+    if selected_step is not None or references:
+        ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

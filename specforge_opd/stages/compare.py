@@ -24,7 +24,8 @@ from specforge_opd.models.drafter import read_drafter_metadata
 
 
 def opd_drafter_flops(opd_final: Path) -> float:
-    """The OPD stage's drafter-training FLOPs (``drafter_budget`` of its export's ``opd_flops``).
+    """The OPD run's drafter-training FLOPs: ``drafter_budget`` of its export's ``opd_run_flops``
+    (the whole run, whichever refresh validation selected), else of ``opd_flops``.
 
     Raises:
         ValueError: the OPD export has no FLOPs metadata.
@@ -32,9 +33,10 @@ def opd_drafter_flops(opd_final: Path) -> float:
     from specforge_opd.eval.flops import FlopsLedger
 
     meta = read_drafter_metadata(opd_final)
-    if "opd_flops" not in meta:
+    run = meta.get("opd_run_flops") or meta.get("opd_flops")
+    if run is None:
         raise ValueError(f"{opd_final}: no opd_flops metadata (not an OPD export of this project)")
-    return FlopsLedger.from_dict(meta["opd_flops"]).drafter_budget
+    return FlopsLedger.from_dict(run).drafter_budget
 
 
 def matched_steps(sft_cfg, start: Path, responses: list, opd_flops: float) -> tuple[int, float]:

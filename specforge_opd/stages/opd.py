@@ -257,13 +257,15 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
 
 
 def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[str, list[int]]]] = None,
-            fault: Optional[str] = None) -> Path:
+            val_prompts: Optional[list[tuple[str, list[int]]]] = None, fault: Optional[str] = None) -> Path:
     """Run (or resume) the whole OPD stage; returns the final drafter directory.
 
     Args:
         target: a loaded ``TargetBundle`` (None: ``target.load_target(cfg.target)``).
         prompts: the prompt pool as (id, token ids) (None: ``data`` sources rendered
             with the target's chat template, as SFT capture and evaluation render them).
+        val_prompts: the validation prompts (None: ``opd.val_prompts`` prompts of the pool
+            after the rolled-out ones; ``stages.opd_validation``).
         fault: tests only: ``"rollout:N"`` raises after N rollout shards of the first
             iteration run now; ``"train:N"`` after N optimizer steps.
     Raises:
@@ -360,6 +362,14 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     initial_meta = read_drafter_metadata(initial_drafter)
     flops = FlopsLedger.from_dict(state["flops"])
     tb = _tensorboard(cfg, out) if rank == 0 else None
+    validation = None
+    if cfg.opd.val_prompts and rank == 0:
+        from specforge_opd.stages.opd_validation import OPDValidation
+
+        validation = OPDValidation(cfg, bundle, out, prompts=val_prompts)
+        # point 0: the start, so the curve shows what OPD adds to it
+        validation.point(0, initial_drafter, drafter_flops=FlopsLedger.from_dict(initial_meta.get("flops")).drafter_budget,
+                         opd_flops=0.0)
 
     for it in range(state["iterations_done"], plan.iterations):
         it_dir = out / f"iter_{it:03d}"
@@ -435,6 +445,10 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             "output_bytes": dir_bytes(out),
             "flops": flops.to_dict(),
         }
+        if validation is not None:
+            # before the iteration is marked done: a kill here measures it again on resume
+            row["val_tau"] = validation.point(it + 1, res.export_dir, drafter_flops=cumulative.drafter_budget,
+                                              opd_flops=flops.drafter_budget)["tau"]
         if rank == 0:
             with open(out / "opd_metrics.jsonl", "a") as f:
                 f.write(json.dumps(row, default=float) + "\n")
@@ -462,9 +476,24 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     if rank == 0:
         if state["iterations_done"] == 0:
             raise PlanError("no OPD iteration ran")
+        chosen, record = state["drafter"], {}
+        if validation is not None:
+            from specforge_opd.stages.opd_validation import OPD_CURVE_PLOT, plot_opd_curve, select_refresh
+
+            curve = validation.curve()
+            sel = select_refresh(curve, cfg.opd.select)
+            chosen = sel["export"]
+            plot_opd_curve(curve, out / OPD_CURVE_PLOT, sel["step"], initial_meta)
+            record = {"validation": {"select": cfg.opd.select, "selected_refresh": sel["step"], "selected_tau": sel["tau"],
+                                     "curve": curve, "val_prompts": len(validation.prompt_ids)}}
+            print(f"[opd val] exporting refresh {sel['step']} (opd.select={cfg.opd.select}: validation tau "
+                  f"{sel['tau']:.3f}); curve: {out / OPD_CURVE_PLOT}", file=sys.stderr)
         tmp = out / ".final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(state["drafter"], tmp)
+        shutil.copytree(chosen, tmp)
+        # the whole run's drafter-training FLOPs and last drafter: what a matched baseline spends and
+        # compares with, whichever refresh was selected
+        _stamp_metadata(tmp, dict(record, opd_run_flops=state["flops"], opd_last_export=str(state["drafter"])))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_report(out)

@@ -107,18 +107,12 @@ def _load_val_prompts(cfg: ExperimentConfig) -> list:
     Raises:
         SFTError: ``data.num_prompts`` is unset (the whole pool trains), or the pool has no prompt left.
     """
-    from specforge_opd.data.prompts import training_pool
+    from specforge_opd.data.prompts import PromptsError, held_out_prompts
 
-    if cfg.data.num_prompts is None:
-        raise SFTError("sft.val_prompts needs data.num_prompts: validation prompts come from the pool after the ones SFT trains on")
-    # the pool is shuffled with data.seed and then capped, so a larger cap keeps the trained prompts first
-    n = cfg.data.num_prompts
-    pool = list(training_pool(cfg.data.model_copy(update={"num_prompts": n + cfg.sft.val_prompts})))
-    val = pool[n: n + cfg.sft.val_prompts]
-    if not val:
-        raise SFTError(f"sft.val_prompts={cfg.sft.val_prompts}: the pool has no prompt after data.num_prompts="
-                       f"{cfg.data.num_prompts}; lower data.num_prompts or add data slices")
-    return val
+    try:
+        return held_out_prompts(cfg.data, cfg.sft.val_prompts, field="sft.val_prompts")
+    except PromptsError as e:
+        raise SFTError(str(e)) from None
 
 
 def run_sft(cfg: ExperimentConfig, **kwargs) -> Path:
