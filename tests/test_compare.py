@@ -52,9 +52,9 @@ def test_matched_baseline_starts_where_opd_started_and_spends_its_flops(tmp_path
                                 finished=True) for i in range(5)]
     seen = {}
 
-    def fake_run_sft(cfg, *, max_steps_for=None, **kw):
+    def fake_run_sft(cfg, *, budget_for=None, **kw):
         seen["cfg"] = cfg
-        seen["steps"] = max_steps_for(responses)
+        seen["steps"] = budget_for(responses)["max_steps"]
         return tmp_path / "matched" / "final"
 
     monkeypatch.setattr(sft, "run_sft", fake_run_sft)
@@ -153,3 +153,113 @@ def test_publish_stores_bf16_exact_weights_in_bf16_and_they_load_unchanged(tmp_p
     # weights that bf16 would round stay fp32
     d2 = save_drafter(make_tiny_drafter(target, seed=3), tmp_path / "d2")
     assert not _store_bf16_if_exact(d2 / "model.safetensors")
+
+
+def _fake_sft_run(tmp_path, monkeypatch, responses):
+    """run_sft stand-in: records its config and budget, writes an export with a 3-point validation curve."""
+    seen = {}
+
+    def fake_run_sft(cfg, *, budget_for=None, val_prompts=None, **kw):
+        seen.update(cfg=cfg, budget=budget_for(responses), val=val_prompts)
+        final = tmp_path / "fair" / "final"
+        steps = seen["budget"]["max_steps"]
+        curve = [{"step": s, "tau": t, "export": str(tmp_path / "fair" / f"step_{s}"), "drafter_flops": float(s)}
+                 for s, t in ((1, 1.1), (2, 1.3), (steps, 1.2))]
+        final.mkdir(parents=True, exist_ok=True)
+        (final / "specforge_opd.json").write_text(
+            __import__("json").dumps({"validation": {"curve": curve, "selected_step": 2}}))
+        return final
+
+    monkeypatch.setattr(sft, "run_sft", fake_run_sft)
+    return seen
+
+
+@pytest.mark.parametrize("source", ["opd_pool", "fresh"])
+def test_fair_baseline_continues_with_the_start_recipe(tmp_path, monkeypatch, source):
+    """The fair baseline repeats the start's own recipe (a published drafter's training_record.json), trains on
+    the OPD pool or fresh slices, validates on the OPD run's held-out prompts at as many points as OPD refreshed,
+    and reports the drafter at the matched FLOPs and the best validation point."""
+    import json
+
+    from specforge_opd.stages import baselines
+
+    bundle = make_target_dir(tmp_path / "target")
+    start = save_drafter(make_tiny_drafter(bundle.model), tmp_path / "published_start",
+                         metadata={"stage": "sft", "target": bundle.path})
+    (start / "training_record.json").write_text(json.dumps({
+        "training_dtype": "fp32",
+        "config": yaml.safe_dump({"training": {"learning_rate": 1.0e-3, "lr_scheduler": "constant", "num_anchors": 6},
+                                  "sft": {"specforge_overrides": {"training.loss_decay_gamma": 4.0}}})}))
+    sft_yaml, opd_yaml = _write_configs(tmp_path, str(start), bundle.path)
+    opd_yaml.write_text(opd_yaml.read_text() + "opd: {val_prompts: 5}\n")
+    curve = [{"step": s, "tau": 1.0} for s in range(4)]  # the start and 3 refreshes
+    save_drafter(make_tiny_drafter(bundle.model, seed=2), tmp_path / "opd_run" / "final",
+                 metadata={"opd_run_flops": FlopsLedger(drafter_train=6.0e9).to_dict(),
+                           "opd_flops": FlopsLedger(drafter_train=2.0e9).to_dict(), "validation": {"curve": curve}})
+    responses = [ResponseRecord(id=f"r{i}", prompt_ids=list(range(3, 13)), response_ids=list(range(20, 40)),
+                                finished=True) for i in range(5)]
+    seen = _fake_sft_run(tmp_path, monkeypatch, responses)
+    res = baselines.run_fair_sft(str(sft_yaml), str(opd_yaml), source=source, out=tmp_path / "fair")
+    cfg = seen["cfg"]
+    # the start's recipe, not the SFT config's (whose defaults are cosine, 3e-4-ish, 4 anchors)
+    assert cfg.training.learning_rate == 1.0e-3 and cfg.training.lr_scheduler == "constant"
+    assert cfg.training.num_anchors == 6 and cfg.training.mixed_precision == "fp32"
+    assert cfg.sft.specforge_overrides == {"training.loss_decay_gamma": 4.0}
+    assert cfg.sft.init_drafter == str(start) and cfg.sft.select == "best_val" and cfg.sft.plateau_patience == 0
+    assert cfg.sft.max_new_tokens == 24
+    if source == "opd_pool":
+        assert cfg.data.slices == [1, 2] and cfg.data.num_prompts == 12
+    else:  # SFT trains slice 0 and OPD slices 1-2: slice 3 is fresh
+        assert cfg.data.slices == [3] and cfg.data.num_prompts == 12
+    # the whole OPD run's FLOPs (opd_run_flops, not the selected refresh's), in 3 validation segments
+    per_step = sft_flops(cfg, load_draft_config_of(start), bundle.model.config, responses, steps=1,
+                         captured_here=False).drafter_train
+    steps = math.ceil(6.0e9 / per_step)
+    assert seen["budget"] == {"max_steps": steps, "val_interval": math.ceil(steps / 3)}
+    # validated on the OPD run's held-out prompts: the 5 after its 12 in the OPD pool
+    from specforge_opd.config import load_config
+    from specforge_opd.data.prompts import training_pool
+
+    opd_cfg = load_config(str(opd_yaml))
+    pool = training_pool(opd_cfg.data.model_copy(update={"num_prompts": 17}))
+    assert [p.id for p in seen["val"]] == [p.id for p in pool[12:]]
+    assert cfg.sft.val_prompts == 5
+    assert res["matched"] == tmp_path / "fair" / f"step_{steps}" and res["best_val"] == tmp_path / "fair" / "final"
+    assert res["selected_step"] == 2 and res["recipe"]["source"].endswith("training_record.json")
+
+
+def load_draft_config_of(path):
+    from specforge_opd.models.drafter import load_draft_config
+
+    return load_draft_config(path)
+
+
+def test_start_recipe_sources_and_refusals(tmp_path, monkeypatch):
+    """An SFT export records its recipe; a drafter without any record is refused with the fix named; a bf16 recipe
+    trains fp32 on a CPU without native bf16, saying so; fresh slices must exist."""
+    from specforge_opd import precision
+    from specforge_opd.config import load_config
+    from specforge_opd.stages import baselines
+
+    bundle = make_target_dir(tmp_path / "target")
+    rec = {"training": {"learning_rate": 2e-3, "num_anchors": 8}, "mixed_precision": "bf16", "specforge_overrides": {}}
+    d = save_drafter(make_tiny_drafter(bundle.model), tmp_path / "sft_export", metadata={"recipe": rec})
+    got = baselines.start_recipe(d)
+    assert got["training"] == rec["training"] and got["mixed_precision"] == "bf16"
+    bare = save_drafter(make_tiny_drafter(bundle.model), tmp_path / "bare", metadata={})
+    with pytest.raises(baselines.BaselineError, match="no training recipe.*--recipe config"):
+        baselines.start_recipe(bare)
+    monkeypatch.setattr(precision, "cpu_bf16_native", lambda: (False, "AVX2 only"))
+    ov, note = baselines.recipe_overrides(got, "cpu")
+    assert "training.mixed_precision=fp32" in ov and "AVX2 only" in note
+    monkeypatch.setattr(precision, "cpu_bf16_native", lambda: (True, "amx_bf16"))
+    ov, note = baselines.recipe_overrides(got, "cpu")
+    assert "training.mixed_precision=bf16" in ov and note is None
+    cfg = load_config(None, ov)
+    assert cfg.training.learning_rate == 2e-3 and cfg.training.num_anchors == 8
+    a = load_config(None, ["data.num_slices=3", "data.slices=[0]"])
+    b = load_config(None, ["data.num_slices=3", "data.slices=[1,2]"])
+    with pytest.raises(baselines.BaselineError, match="every data slice"):
+        baselines.fresh_slices(a, b)
+    with pytest.raises(baselines.BaselineError, match="num_slices differs"):
+        baselines.fresh_slices(a, load_config(None, ["data.num_slices=4", "data.slices=[1]"]))

@@ -114,7 +114,7 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
               f"from {start} for {steps} steps on the {baseline} responses -> {out}", file=sys.stderr)
         return steps
 
-    return run_sft(cfg, max_steps_for=steps_for)
+    return run_sft(cfg, budget_for=lambda responses: {"max_steps": steps_for(responses)})
 
 
 def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_seconds: dict, extra: Optional[dict] = None) -> dict:

@@ -56,6 +56,7 @@ from specforge_opd.stages.sft_train import (
     on_gpu,
     run_train,
     run_train_validated,
+    sft_recipe,
     sft_training_inputs,
     specforge_run_config,
 )
@@ -149,7 +150,7 @@ def run_sft(cfg: ExperimentConfig, **kwargs) -> Path:
 
 def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
              target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None,
-             max_steps_for: Optional[Callable[[list], int]] = None) -> Path:
+             budget_for: Optional[Callable[[list], dict]] = None) -> Path:
     """Run the SFT stage end to end; returns the exported HF DFlash directory ``<output.dir>/final``.
 
     ``bundle`` (a ``TargetBundle``-like object with ``model``, ``tokenizer``,
@@ -157,9 +158,10 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     (HF directory SpecForge loads the target embedding / lm_head / tokenizer
     from) default to ``target.load_target``, ``prompts.training_pool`` and
     ``target_dir(cfg)``; ``val_prompts`` (records, with ``sft.val_prompts`` > 0)
-    defaults to the pool's prompts after the trained ones. ``max_steps_for``, given the
-    finished responses (``ResponseRecord`` list), sets ``sft.max_steps`` before training:
-    a budget that depends on the data (the matched-FLOPs baseline). Writes ``<output.dir>/sft_report.json`` (wall time per
+    defaults to the pool's prompts after the trained ones. ``budget_for``, given the
+    finished responses (``ResponseRecord`` list), returns ``sft`` fields to set before
+    training (``max_steps``, ``val_interval``): a budget that depends on the data (the
+    matched-FLOPs baselines, ``stages.baselines``). Writes ``<output.dir>/sft_report.json`` (wall time per
     step, disk used, the export check's tau).
 
     Raises:
@@ -206,9 +208,8 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     keyed_step("responses", r_dir, r_key, r_inputs,
                lambda: dict(run_responses(r_dir, tokenized, get_bundle(), cfg), prompts_too_long_skipped=too_long), skipped)
     timings["responses"] = time.time() - t0
-    if max_steps_for is not None:
-        steps = int(max_steps_for(read_responses(r_dir)))
-        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"max_steps": steps})})
+    if budget_for is not None:
+        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=budget_for(read_responses(r_dir)))})
 
     # -- features
     t0 = time.time()
@@ -333,6 +334,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
                                              "step": step, "verify": verify,
                                              "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict(),
                                              "validation": validation, "precision": precision.record(),
+                                             "recipe": sft_recipe(cfg),
                                              "machine": machine_info()},
                      dtype=cfg.target.dtype)
         from specforge_opd.models.drafter import load_drafter

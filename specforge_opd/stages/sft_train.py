@@ -153,6 +153,19 @@ SFT_TRAINING_FIELDS = ("learning_rate", "lr_scheduler", "warmup_ratio", "max_gra
                        "mixed_precision")
 
 
+#: The ``training`` fields of a drafter's SFT recipe: what continued SFT from it repeats by default
+#: (``stages.baselines.start_recipe``), besides the resolved precision and SpecForge overrides.
+RECIPE_TRAINING_FIELDS = ("learning_rate", "lr_scheduler", "warmup_ratio", "max_grad_norm", "batch_size",
+                          "accumulation_steps", "num_anchors")
+
+
+def sft_recipe(cfg: ExperimentConfig) -> dict:
+    """The training recipe of an SFT run, recorded in its export: ``training`` (``RECIPE_TRAINING_FIELDS``),
+    ``mixed_precision`` as resolved here (bf16 or fp32) and ``specforge_overrides`` (e.g. the slot-loss decay)."""
+    return {"training": {k: getattr(cfg.training, k) for k in RECIPE_TRAINING_FIELDS},
+            "mixed_precision": sft_precision(cfg).value, "specforge_overrides": dict(cfg.sft.specforge_overrides)}
+
+
 def sft_training_inputs(cfg: ExperimentConfig) -> dict:
     """The ``training`` part of the SFT train step's key: ``SFT_TRAINING_FIELDS`` only.
 
