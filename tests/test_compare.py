@@ -263,3 +263,42 @@ def test_start_recipe_sources_and_refusals(tmp_path, monkeypatch):
         baselines.fresh_slices(a, b)
     with pytest.raises(baselines.BaselineError, match="num_slices differs"):
         baselines.fresh_slices(a, load_config(None, ["data.num_slices=4", "data.slices=[1]"]))
+
+
+def test_main_job_compares_against_the_fair_baseline(tmp_path, monkeypatch):
+    """The main job's comparison (scripts/demo.sh) trains the fair baseline (the start's recipe) by default and
+    reports its matched-FLOPs and best-validation drafters beside the start and OPD."""
+    import json
+
+    from specforge_opd.eval import evaluate as ev
+    from specforge_opd.stages import baselines
+
+    bundle = make_target_dir(tmp_path / "target")
+    start = save_drafter(make_tiny_drafter(bundle.model), tmp_path / "start", metadata={"stage": "sft"})
+    sft_yaml, opd_yaml = _write_configs(tmp_path, str(start), bundle.path)
+    seen = {}
+
+    def fake_fair(sft_config, opd_config, **kw):
+        seen["fair"] = kw
+        return {"matched": tmp_path / "m", "best_val": tmp_path / "b", "steps": 9, "selected_step": 3, "curve": [],
+                "source": kw["source"], "recipe": {"source": "rec"}, "recipe_note": None}
+
+    def fake_evaluate(cfg, drafters, out):
+        seen["drafters"] = dict(drafters)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        ds = {"mtbench": {"tau": 1.2, "num_prompts": 2}}
+        return {"method": "offline", "eval": {"num_prompts": 2, "max_new_tokens": 8},
+                "drafters": {n: {"datasets": ds, "block_size": 4} for n in drafters}}
+
+    from pathlib import Path
+
+    monkeypatch.setattr(baselines, "run_fair_sft", fake_fair)
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    summary = tmp_path / "summary.json"
+    assert compare.main(["--sft-config", str(sft_yaml), "--opd-config", str(opd_yaml), "--out", str(tmp_path / "cmp"),
+                         "--summary", str(summary)]) == 0
+    assert seen["fair"]["source"] == "opd_pool" and seen["fair"]["recipe"] == "start"
+    assert list(seen["drafters"]) == ["SFT", "SFT + matched-FLOPs SFT", "SFT + best-val SFT", "SFT + OPD"]
+    assert seen["drafters"]["SFT + matched-FLOPs SFT"] == tmp_path / "m"
+    rec = json.loads(summary.read_text())["baseline_recipe"]
+    assert rec["recipe"] == "start" and rec["steps"] == 9 and rec["selected_step"] == 3

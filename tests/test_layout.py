@@ -9,8 +9,8 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "specforge_opd"
 #: The SFT stage: the modules allowed to import ``specforge_opd.stages.sft``.
 SFT_STAGE = {"stages.sft", "stages.sft_features", "stages.sft_train"}
-#: The stage's entry point, which the main job's comparison runs for its matched-FLOPs baseline.
-SFT_ENTRY = {"stages.compare": {"run_sft"}}
+#: The stage's entry point, which the main job's comparison and the fair baselines run for continued SFT.
+SFT_ENTRY = {"stages.compare": {"run_sft"}, "stages.baselines": {"run_sft"}}
 
 
 def _module(path: Path) -> str:

@@ -1,12 +1,14 @@
-"""The main job's comparison: prompt lookup vs SFT vs matched-FLOPs SFT vs OPD, tau per held-out set.
+"""The main job's comparison: prompt lookup vs SFT vs fair continued SFT vs OPD, tau per held-out set.
 
 (a) the drafter OPD started from (the OPD config's ``draft.path``: a published
-drafter or the SFT stage's export); (b) that drafter trained further by SFT
-(SpecForge, fresh warm-up, on the target's responses to the OPD prompt pool by
-default) for the same drafter-training FLOPs as the OPD stage spent; (c) the OPD
-drafter. The FLOPs come from the drafters' metadata (``specforge_opd.eval.flops``): the
-OPD stage's ``drafter_budget`` (drafter forward + backward + the teacher's lm_head)
-divided by the cost of one SFT optimizer step on (b)'s responses gives (b)'s steps.
+drafter or the SFT stage's export); (b) that drafter trained further by SFT with its
+own recipe (``stages.baselines``: on the target's responses to the OPD prompt pool by
+default) for the same drafter-training FLOPs as the OPD stage spent, and its best
+validation point when that is earlier; (c) the OPD drafter. The FLOPs come from the
+drafters' metadata (``specforge_opd.eval.flops``): the OPD stage's ``drafter_budget``
+(drafter forward + backward + the teacher's lm_head) divided by the cost of one SFT
+optimizer step on (b)'s responses gives (b)'s steps. ``--baseline sft_data`` keeps the
+older baseline (the SFT stage's data and the SFT config's recipe), which is not fair.
 
 ``python -m specforge_opd.stages.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml``
 """
@@ -200,8 +202,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--summary", help="also write the machine-readable result (summary.json) here")
     p.add_argument("--stage-seconds", nargs="*", default=[], metavar="STAGE=SECONDS",
                    help="wall times of the stages before this one, for the summary")
-    p.add_argument("--baseline", choices=["opd_pool", "sft_data"], default="opd_pool",
-                   help="what the matched-FLOPs SFT baseline trains on (default: responses to the OPD prompt pool)")
+    p.add_argument("--baseline", choices=["opd_pool", "fresh", "sft_data"], default="opd_pool",
+                   help="what the SFT baseline trains on: responses to the OPD prompt pool (default), to fresh "
+                        "conversations of the SFT pool, or the SFT stage's own data (the old matched baseline)")
+    p.add_argument("--recipe", choices=["start", "config"], default="start",
+                   help="the baseline's training recipe: the start drafter's own (default, fair) or the SFT config's")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides applied to both configs")
     args = p.parse_args(argv)
     from specforge_opd.eval.evaluate import evaluate
@@ -220,11 +225,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         k, _, v = kv.partition("=")
         stages[k] = float(v)
     t0 = time.time()
-    matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides, baseline=args.baseline)
-    stages["matched_sft"] = time.time() - t0
     # the SFT row is the drafter OPD started from: a published drafter or this run's SFT export
     start = Path(opd_cfg.resolve_path(opd_cfg.draft.path))
-    drafters = {"SFT": start, "SFT + matched-FLOPs SFT": matched, "SFT + OPD": opd_final}
+    fair = None
+    if args.baseline == "sft_data":  # the SFT stage's own data and recipe: not a fair baseline, kept for comparison
+        matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides, baseline=args.baseline)
+        drafters = {"SFT": start, "SFT + matched-FLOPs SFT": matched, "SFT + OPD": opd_final}
+    else:
+        from specforge_opd.stages.baselines import run_fair_sft
+
+        fair = run_fair_sft(args.sft_config, args.opd_config, source=args.baseline, recipe=args.recipe,
+                            overrides=args.overrides)
+        drafters = {"SFT": start, "SFT + matched-FLOPs SFT": fair["matched"]}
+        if fair["selected_step"] != fair["steps"]:
+            drafters["SFT + best-val SFT"] = fair["best_val"]
+        drafters["SFT + OPD"] = opd_final
+    stages["matched_sft"] = time.time() - t0
     out = Path(args.out) if args.out else opd_final.parent / "comparison"
     t0 = time.time()
     result = evaluate(opd_cfg, drafters, out)
@@ -239,6 +255,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = build_summary(result, names, seeds=[opd_cfg.data.seed, opd_cfg.rollout.seed], stage_seconds=stages,
                                 extra={"seed_fields": ["opd data.seed", "opd rollout.seed"],
                                        "sft_row": str(opd_cfg.draft.path), "baseline": args.baseline,
+                                       "baseline_recipe": None if fair is None else {
+                                           "recipe": args.recipe, "source": fair["recipe"].get("source"),
+                                           "note": fair["recipe_note"], "steps": fair["steps"],
+                                           "selected_step": fair["selected_step"]},
                                        "main_job_sft": _main_job_sft(sft_cfg)})
         atomic_write_text(Path(args.summary), json.dumps(summary, indent=2))
         print(f"summary: {args.summary}")

@@ -1,0 +1,282 @@
+"""OPD at scale against the fair SFT baselines on the embedded target: the OPD study's table.
+
+Per pool size (``--pools``) and seed (``--seeds``):
+
+1. every OPD variant (``--variants``) from the published drafter with
+   ``configs/small/opd.yaml`` at ``data.num_prompts=POOL`` (``scripts/train_opd.sh``; each
+   selects its best refresh on the config's held-out validation prompts);
+2. the fair SFT baselines (``stages/baselines.py``: the start's own recipe, on the OPD
+   pool's responses and on fresh conversations), matched to the FLOPs of the seed's Eq. 1
+   run (``--match``), each at the matched FLOPs and at its best validation point;
+3. exact offline replay at T=0 of every drafter on every prompt of the three evaluation
+   sets (paired 95% bootstrap intervals over prompts), on the OPD validation prompts
+   (held out for every run) and on the first ``--in-sample`` prompts of the OPD pool
+   (in-sample for OPD and the ``opd_pool`` baseline, held out for the others).
+
+Every training run resumes when the command is run again (kill it at any point); a
+finished one is reused. ``--phase train`` only trains, ``--phase eval`` only measures.
+
+    .venv/bin/python benchmarks/bench_opd_at_scale.py --pools 192 --seeds 0 \\
+        [--variants eq1_full naive ...] [--json benchmarks/results/opd_at_scale.json]
+
+Run it alone: rollouts and training dominate (a 192-prompt pilot of one variant is about
+20 minutes on the 2-core machine); tau does not depend on load, wall times do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+#: The OPD variants of the study: name -> overrides of configs/small/opd.yaml.
+VARIANTS = {
+    "eq1_full": [],  # paper Eq. 1 with the exact target distribution
+    "eq1_token_pooled": ["rollout.teacher=token", "training.combine=pooled"],  # the authors' realized-token estimators
+    "verified_stream": ["training.accepted_stream=verified"],  # the authors' accepted stream (bonus slot too)
+    "naive": ["training.loss=naive_target_assisted"],
+    "all_forward": ["training.loss=all_forward"],
+}
+SOURCES = ("opd_pool", "fresh")
+
+
+def sh(args: list[str], log: Path) -> None:
+    """Run a resumable stage, its output to ``log``; raises on failure with the log's tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("+", " ".join(args), f"> {log}", flush=True)
+    with open(log, "a") as f:
+        rc = subprocess.call(args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if rc:
+        tail = log.read_text()[-2000:]
+        raise SystemExit(f"{args[0]} exited with {rc}; rerun this command to resume. Log tail:\n{tail}")
+
+
+def seed_overrides(seed: int) -> list[str]:
+    """A seed varies the OPD training, the pool's order and the rollout sampler (as bench_comparison.py)."""
+    return [f"training.seed={seed}", f"data.seed={seed + 1}", f"rollout.seed={seed}"]
+
+
+def pool_overrides(pool: int) -> list[str]:
+    return [f"data.num_prompts={pool}"]
+
+
+def train(args, pool: int, seed: int) -> dict[str, dict]:
+    """Train every OPD variant and fair baseline of (pool, seed); returns {row name: drafter info}."""
+    base = Path(args.out) / f"p{pool}"
+    ov = pool_overrides(pool) + seed_overrides(seed)
+    rows: dict[str, dict] = {}
+    for v in args.variants:
+        run = base / f"{v}-s{seed}"
+        if args.phase != "eval":  # a finished run is only read back
+            sh(["bash", "scripts/train_opd.sh", args.opd_config, f"output.dir={run}", *VARIANTS[v], *ov],
+               base / "logs" / f"{v}-s{seed}.log")
+        if (run / "final").is_dir():
+            rows.update(opd_rows(run, f"OPD {v}", pool, seed))
+    match = base / f"{args.match}-s{seed}"
+    if (match / "final").is_dir():
+        from specforge_opd.stages.baselines import run_fair_sft
+
+        for source in args.baselines:
+            out = base / f"sft-{source}-s{seed}"
+            if args.phase == "eval" and not (out / "final").is_dir():
+                continue
+            res = run_fair_sft(args.sft_config, args.opd_config, source=source, out=out, opd_out=match,
+                               overrides=ov)
+            rows.update(baseline_rows(res, source, pool, seed))
+    return rows
+
+
+def opd_rows(run: Path, name: str, pool: int, seed: int) -> dict[str, dict]:
+    """The selected (best validation) refresh and the last one (the run's full FLOPs) of an OPD run."""
+    from specforge_opd.models.drafter import read_drafter_metadata
+
+    meta = read_drafter_metadata(run / "final")
+    curve = (meta.get("validation") or {}).get("curve") or []
+    last = max(curve, key=lambda p: p["step"]) if curve else None
+    sel = (meta.get("validation") or {}).get("selected_refresh")
+    out = {f"{name} best-val s{seed}": {"path": str(run / "final"), "kind": "opd", "select": "best_val", "pool": pool,
+                                         "seed": seed, "drafter_flops": meta["flops"]["drafter_budget"], "refresh": sel}}
+    if last is not None and last["step"] != sel:
+        out[f"{name} last s{seed}"] = {"path": last["export"], "kind": "opd", "select": "last", "pool": pool,
+                                       "seed": seed, "drafter_flops": last["drafter_flops"], "refresh": last["step"]}
+    return out
+
+
+def baseline_rows(res: dict, source: str, pool: int, seed: int) -> dict[str, dict]:
+    """The matched-FLOPs and best-validation drafters of one fair baseline."""
+    by_step = {p["step"]: p for p in res["curve"]}
+    name = f"SFT fair {source}"
+    out = {f"{name} matched s{seed}": {"path": str(res["matched"]), "kind": "sft", "select": "matched", "pool": pool,
+                                        "seed": seed, "drafter_flops": by_step[res["steps"]]["drafter_flops"],
+                                        "step": res["steps"]}}
+    if res["selected_step"] != res["steps"]:
+        out[f"{name} best-val s{seed}"] = {"path": str(res["best_val"]), "kind": "sft", "select": "best_val",
+                                           "pool": pool, "seed": seed,
+                                           "drafter_flops": by_step[res["selected_step"]]["drafter_flops"],
+                                           "step": res["selected_step"]}
+    else:  # the best point is the matched one
+        out[f"{name} matched s{seed}"]["best_val"] = True
+    return out
+
+
+def replay_sets(args, drafters: dict[str, dict], pool: int, seed: int) -> None:
+    """Add ``val_tau`` (OPD validation prompts) and ``pool_tau`` (first --in-sample OPD pool prompts) to each row."""
+    import torch
+
+    from specforge_opd.config import load_config
+    from specforge_opd.data.chat import render_prompt
+    from specforge_opd.data.prompts import held_out_prompts, training_pool
+    from specforge_opd.eval.validation import ValidationSet
+    from specforge_opd.models.drafter import load_any_drafter
+    from specforge_opd.models.target import load_target
+
+    cfg = load_config(ROOT / args.opd_config, pool_overrides(pool) + seed_overrides(seed))
+    bundle = load_target(cfg.target)
+    tok = bundle.tokenizer
+
+    def ids(records):
+        return [tok(render_prompt(tok, r.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt),
+                    add_special_tokens=False)["input_ids"] for r in records]
+
+    val = held_out_prompts(cfg.data, cfg.opd.val_prompts, field="opd.val_prompts", cache=cfg.target.cache_dir, tokenizer=tok)
+    train = training_pool(cfg.data, cache=cfg.target.cache_dir, tokenizer=tok)[: args.in_sample]
+    cache = Path(args.out) / f"p{pool}" / f"replay_cache_s{seed}"
+    sets = {"val_tau": ValidationSet(bundle.model, bundle.identity, ids(val), max_new_tokens=cfg.rollout.max_new_tokens,
+                                     stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache / "val"),
+            "pool_tau": ValidationSet(bundle.model, bundle.identity, ids(train), max_new_tokens=cfg.rollout.max_new_tokens,
+                                      stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache / "pool")}
+    for name, d in drafters.items():
+        if d.get("seed", seed) != seed or d.get("pool", pool) != pool or "val_tau" in d:
+            continue
+        drafter = load_any_drafter(d["path"], bundle.model.config).eval()
+        with torch.no_grad():
+            for k, vs in sets.items():
+                d[k] = vs.tau(drafter)
+        print(f"  {name}: validation tau {d['val_tau']:.3f}, OPD-pool tau {d['pool_tau']:.3f}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pools", type=int, nargs="+", default=[192])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--baselines", nargs="*", default=list(SOURCES), choices=list(SOURCES))
+    p.add_argument("--match", default="eq1_full", choices=list(VARIANTS), help="the OPD variant the baselines match in FLOPs")
+    p.add_argument("--sft-config", default="configs/small/sft.yaml")
+    p.add_argument("--opd-config", default="configs/small/opd.yaml")
+    p.add_argument("--out", default="runs/opd_scale")
+    p.add_argument("--phase", choices=["all", "train", "eval"], default="all")
+    p.add_argument("--in-sample", type=int, default=64, help="OPD pool prompts replayed for the in-sample tau")
+    p.add_argument("--eval-prompts", type=int, default=None, help="prompts per eval set (default: all of them)")
+    p.add_argument("--replicates", type=int, default=2000)
+    p.add_argument("--json", help="write the table's data here (e.g. benchmarks/results/opd_at_scale.json)")
+    args = p.parse_args()
+    out = ROOT / args.out
+
+    from specforge_opd.config import load_config
+    from specforge_opd.models.drafter import drafter_path
+
+    start = load_config(ROOT / args.opd_config).draft.path
+    drafters: dict[str, dict] = {"start": {"path": str(drafter_path(start)), "kind": "start", "select": "-"}}
+    for pool in args.pools:
+        for seed in args.seeds:
+            drafters.update(train(args, pool, seed))
+    if args.phase == "train":
+        return 0
+    from specforge_opd.models.drafter import read_drafter_metadata
+
+    drafters["start"]["drafter_flops"] = (read_drafter_metadata(drafters["start"]["path"]).get("flops") or {}).get("drafter_budget")
+    for pool in args.pools:
+        for seed in args.seeds:
+            replay_sets(args, drafters, pool, seed)
+    drafters["start"]["note"] = "val_tau/pool_tau of the last (pool, seed) replayed"
+    # every prompt of the three sets, one trajectory cache for every drafter
+    eval_args = []
+    for name, d in drafters.items():
+        eval_args += ["--drafter", f"{name}={d['path']}"]
+    prompts_ov = f"eval.num_prompts={'null' if args.eval_prompts is None else args.eval_prompts}"
+    ev = out / "eval"
+    sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(ev), "eval.speedup=false", prompts_ov,
+        f"eval.cache_dir={out / 'trajectory_cache'}", *eval_args], out / "logs" / "eval.log")
+    result = json.loads((ev / "eval.json").read_text())
+    table = summarize(result, drafters, args)
+    (out / "opd_at_scale.md").write_text(render(table) + "\n")
+    print(render(table))
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+    return 0
+
+
+def summarize(result: dict, drafters: dict[str, dict], args) -> dict:
+    """Rows (mean tau with its 95% interval over every prompt of the three sets, FLOPs, in-sample and held-out
+    tau) and ratios (each OPD row over the start and over the best fair baseline of its pool and seed, paired)."""
+    from specforge_opd.eval.stats import bootstrap_mean_tau, counts_of, interval
+    from specforge_opd.precision import machine_info
+
+    names = [n for n in drafters if n in result["drafters"] and result["drafters"][n]["datasets"]]
+    reps = bootstrap_mean_tau({n: counts_of(result, n) for n in names}, replicates=args.replicates, seed=0)
+    datasets = list(result["drafters"]["start"]["datasets"])
+    rows = []
+    for n in names:
+        taus = {ds: result["drafters"][n]["datasets"][ds]["tau"] for ds in datasets}
+        d = drafters[n]
+        lo, hi = interval(reps[n])
+        rows.append({"drafter": n, "kind": d["kind"], "select": d["select"], "pool": d.get("pool"), "seed": d.get("seed"),
+                     "tau": taus, "mean_tau": sum(taus.values()) / len(taus), "ci95": [lo, hi],
+                     "drafter_flops": d.get("drafter_flops"), "val_tau": d.get("val_tau"), "pool_tau": d.get("pool_tau"),
+                     "path": d["path"]})
+    by = {r["drafter"]: r for r in rows}
+    ratios = []
+    for r in rows:
+        if r["kind"] != "opd":
+            continue
+        peers = [b for b in rows if b["kind"] == "sft" and b["pool"] == r["pool"] and b["seed"] == r["seed"]]
+        # the best fair baseline: the highest mean tau among the baselines of the same pool and seed
+        best = max(peers, key=lambda b: b["mean_tau"]) if peers else None
+        entry = {"drafter": r["drafter"]}
+        for key, other in (("over_start", by["start"]), ("over_best_baseline", best)):
+            if other is None:
+                continue
+            ratio = reps[r["drafter"]] / reps[other["drafter"]]
+            lo, hi = interval(ratio)
+            entry[key] = {"against": other["drafter"], "ratio": r["mean_tau"] / other["mean_tau"], "ci95": [lo, hi]}
+        ratios.append(entry)
+    prompts = {ds: result["drafters"]["start"]["datasets"][ds]["num_prompts"] for ds in datasets}
+    return {"machine": machine_info(), "command": sys.argv, "prompts": prompts, "datasets": datasets, "rows": rows,
+            "ratios": ratios, "replicates": args.replicates,
+            "eval": {"method": result.get("method"), "max_new_tokens": result["eval"]["max_new_tokens"]}}
+
+
+def render(table: dict) -> str:
+    """The README's table from ``opd_at_scale.json``: ``python benchmarks/bench_opd_at_scale.py --render FILE``."""
+    ds = table["datasets"]
+    lines = [f"Mean tau over every prompt of {', '.join(f'{d} ({n})' for d, n in table['prompts'].items())}, exact offline "
+             f"replay at T=0, {table['eval']['max_new_tokens']} new tokens; 95% paired bootstrap intervals "
+             f"({table['replicates']} replicates over prompts). val: the OPD run's held-out validation prompts; "
+             "pool: the first OPD-pool prompts (in-sample for OPD and the opd_pool baseline).", "",
+             "| drafter | " + " | ".join(ds) + " | mean tau [95% CI] | val | pool | drafter FLOPs |",
+             "|---|" + "---:|" * (len(ds) + 4)]
+    f = lambda x, fmt="{:.3f}": "-" if x is None else fmt.format(x)  # noqa: E731
+    for r in table["rows"]:
+        lines.append(f"| {r['drafter']} | " + " | ".join(f"{r['tau'][d]:.3f}" for d in ds)
+                     + f" | **{r['mean_tau']:.3f}** [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | {f(r['val_tau'])} | "
+                     f"{f(r['pool_tau'])} | {f(r['drafter_flops'], '{:.2e}')} |")
+    if table["ratios"]:
+        lines += ["", "| OPD drafter | over the start [95% CI] | over the best fair baseline [95% CI] |", "|---|---:|---:|"]
+        cell = lambda e: "-" if e is None else f"{e['ratio']:.3f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]"  # noqa: E731
+        for e in table["ratios"]:
+            lines.append(f"| {e['drafter']} | {cell(e.get('over_start'))} | {cell(e.get('over_best_baseline'))}"
+                         + (f" ({e['over_best_baseline']['against']})" if e.get("over_best_baseline") else "") + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--render"]:
+        print(render(json.loads(Path(sys.argv[2]).read_text())))
+        sys.exit(0)
+    sys.exit(main())
