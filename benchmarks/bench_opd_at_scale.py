@@ -66,7 +66,11 @@ def pool_overrides(pool: int) -> list[str]:
 
 
 def train(args, pool: int, seed: int) -> dict[str, dict]:
-    """Train every OPD variant and fair baseline of (pool, seed); returns {row name: drafter info}."""
+    """Train every OPD variant and fair baseline of (pool, seed); returns {row name: drafter info}.
+
+    The baselines run as soon as the variant they match (``--match``) has finished, so a
+    study cut short still has the comparison that matters most.
+    """
     base = Path(args.out) / f"p{pool}"
     ov = pool_overrides(pool) + seed_overrides(seed)
     rows: dict[str, dict] = {}
@@ -77,17 +81,22 @@ def train(args, pool: int, seed: int) -> dict[str, dict]:
                base / "logs" / f"{v}-s{seed}.log")
         if (run / "final").is_dir():
             rows.update(opd_rows(run, f"OPD {v}", pool, seed))
-    match = base / f"{args.match}-s{seed}"
-    if (match / "final").is_dir():
-        from specforge_opd.stages.baselines import run_fair_sft
+        if v == args.match and (run / "final").is_dir():
+            rows.update(baselines(args, run, pool, seed, ov))
+    return rows
 
-        for source in args.baselines:
-            out = base / f"sft-{source}-s{seed}"
-            if args.phase == "eval" and not (out / "final").is_dir():
-                continue
-            res = run_fair_sft(args.sft_config, args.opd_config, source=source, out=out, opd_out=match,
-                               overrides=ov)
-            rows.update(baseline_rows(res, source, pool, seed))
+
+def baselines(args, match: Path, pool: int, seed: int, ov: list[str]) -> dict[str, dict]:
+    """The fair SFT baselines matched to the OPD run ``match`` (``stages.baselines.run_fair_sft``)."""
+    from specforge_opd.stages.baselines import run_fair_sft
+
+    rows: dict[str, dict] = {}
+    for source in args.baselines:
+        out = Path(args.out) / f"p{pool}" / f"sft-{source}-s{seed}"
+        if args.phase == "eval" and not (out / "final").is_dir():
+            continue
+        res = run_fair_sft(args.sft_config, args.opd_config, source=source, out=out, opd_out=match, overrides=ov)
+        rows.update(baseline_rows(res, source, pool, seed))
     return rows
 
 
