@@ -61,8 +61,9 @@ def seed_overrides(seed: int) -> list[str]:
     return [f"training.seed={seed}", f"data.seed={seed + 1}", f"rollout.seed={seed}"]
 
 
-def pool_overrides(pool: int) -> list[str]:
-    return [f"data.num_prompts={pool}"]
+def pool_overrides(pool: int, out: str = "runs/opd_scale") -> list[str]:
+    """The pool size, and one trajectory cache for every run's validation and evaluation (paid once)."""
+    return [f"data.num_prompts={pool}", f"eval.cache_dir={Path(out) / 'trajectory_cache'}"]
 
 
 def train(args, pool: int, seed: int) -> dict[str, dict]:
@@ -72,7 +73,7 @@ def train(args, pool: int, seed: int) -> dict[str, dict]:
     study cut short still has the comparison that matters most.
     """
     base = Path(args.out) / f"p{pool}"
-    ov = pool_overrides(pool) + seed_overrides(seed)
+    ov = pool_overrides(pool, args.out) + seed_overrides(seed)
     rows: dict[str, dict] = {}
     for v in args.variants:
         run = base / f"{v}-s{seed}"
@@ -144,7 +145,7 @@ def replay_sets(args, drafters: dict[str, dict], pool: int, seed: int) -> None:
     from specforge_opd.models.drafter import load_any_drafter
     from specforge_opd.models.target import load_target
 
-    cfg = load_config(ROOT / args.opd_config, pool_overrides(pool) + seed_overrides(seed))
+    cfg = load_config(ROOT / args.opd_config, pool_overrides(pool, args.out) + seed_overrides(seed))
     bundle = load_target(cfg.target)
     tok = bundle.tokenizer
 
@@ -154,11 +155,11 @@ def replay_sets(args, drafters: dict[str, dict], pool: int, seed: int) -> None:
 
     val = held_out_prompts(cfg.data, cfg.opd.val_prompts, field="opd.val_prompts", cache=cfg.target.cache_dir, tokenizer=tok)
     train = training_pool(cfg.data, cache=cfg.target.cache_dir, tokenizer=tok)[: args.in_sample]
-    cache = Path(args.out) / f"p{pool}" / f"replay_cache_s{seed}"
+    cache = Path(args.out) / "trajectory_cache"
     sets = {"val_tau": ValidationSet(bundle.model, bundle.identity, ids(val), max_new_tokens=cfg.rollout.max_new_tokens,
-                                     stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache / "val"),
+                                     stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache),
             "pool_tau": ValidationSet(bundle.model, bundle.identity, ids(train), max_new_tokens=cfg.rollout.max_new_tokens,
-                                      stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache / "pool")}
+                                      stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache)}
     for name, d in drafters.items():
         if d.get("seed", seed) != seed or d.get("pool", pool) != pool or "val_tau" in d:
             continue

@@ -54,8 +54,11 @@ class OPDValidation:
         ids = [list(p) for _, p in prompts]
         self.out = Path(out)
         self.prompt_ids = [i for i, _ in prompts]
+        # eval.cache_dir shares the target's trajectories between runs (they are keyed by target,
+        # prompt, budget and stop tokens): the variants of a study pay for them once
+        cache = Path(cfg.resolve_path(cfg.eval.cache_dir)) if cfg.eval.cache_dir else self.out / "val_trajectories"
         self.valset = ValidationSet(bundle.model, bundle.identity, ids, max_new_tokens=cfg.rollout.max_new_tokens,
-                                    stop_token_ids=list(bundle.stop_token_ids), cache_dir=self.out / "val_trajectories")
+                                    stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache)
         self.target_config = bundle.model.config
         self.device = bundle.model.device
 

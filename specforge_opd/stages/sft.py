@@ -257,8 +257,11 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
         from specforge_opd.eval.validation import ValidationSet
 
         b = get_bundle()
+        # eval.cache_dir, when set, shares the trajectories with other runs on the same prompts (keyed, so safe)
         valset = ValidationSet(b.model, tid, [p for _, p in val_tok], max_new_tokens=cfg.sft.max_new_tokens,
-                               stop_token_ids=list(b.stop_token_ids), cache_dir=out / "val_trajectories")
+                               stop_token_ids=list(b.stop_token_ids),
+                               cache_dir=Path(cfg.resolve_path(cfg.eval.cache_dir)) if cfg.eval.cache_dir
+                               else out / "val_trajectories")
         responses = read_responses(r_dir)
         init = (FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops"))
                 if cfg.sft.init_drafter else FlopsLedger())
