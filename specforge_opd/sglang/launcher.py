@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shlex
 import signal
@@ -34,6 +35,138 @@ from specforge_opd.sglang.contract import (
 )
 
 Mode = Literal["verify", "native", "plain"]
+
+log = logging.getLogger(__name__)
+
+_ONE_GPU = ("each launched server gets one GPU (its torchrun rank's, launcher.rank_gpu_env), so a parallel size above 1 "
+            "cannot start; keep one server per GPU, or start a multi-GPU server yourself and list it in sglang.urls")
+_OUTSIDE_VERIFY = ("it gives a decoding request one plain target token outside any verify step, which breaks the native "
+                   "rollout's anchor recurrence (opd_anchor != expected)")
+
+#: Flags of ``sglang.extra_args`` the launcher refuses: flag -> (modes, refused only when its value is not "1", reason).
+#: argparse also takes an unambiguous prefix (``--tp`` for ``--tp-size``): ``check_extra_args`` matches those too.
+REFUSED_FLAGS: dict[str, tuple[tuple[str, ...], bool, str]] = {
+    "--host": (("verify", "native", "plain"), False, "the launcher binds 127.0.0.1 itself (a server elsewhere: sglang.urls)"),
+    "--port": (("verify", "native", "plain"), False, "the launcher picks a free port (a fixed one: sglang.port)"),
+    **{f: (("verify", "native", "plain"), True, _ONE_GPU) for f in (
+        "--tp-size", "--tensor-parallel-size", "--dp-size", "--data-parallel-size", "--pp-size",
+        "--pipeline-parallel-size", "--attn-dp-size", "--attention-data-parallel-size", "--nnodes")},
+    "--enable-dp-attention": (("verify", "native", "plain"), False, "DP attention needs several GPUs and, with extend "
+                              "batches, " + _OUTSIDE_VERIFY),
+    "--enable-mixed-chunk": (("native",), False, "a mixed prefill-decode batch " + _OUTSIDE_VERIFY),
+}
+
+
+def check_extra_args(extra_args: list[str], mode: Mode) -> None:
+    """Refuse a flag of ``sglang.extra_args`` that cannot work for ``mode`` (``REFUSED_FLAGS``).
+
+    Raises:
+        ValueError: one line naming the flag, the reason and the fix.
+    """
+    args = [str(a) for a in extra_args]
+    for i, tok in enumerate(args):
+        if not tok.startswith("--"):
+            continue
+        name, eq, inline = tok.partition("=")
+        hits = [f for f in REFUSED_FLAGS if f == name] or (
+            [f for f in REFUSED_FLAGS if len(name) >= 4 and f.startswith(name)])
+        for flag in hits:
+            modes, only_above_one, reason = REFUSED_FLAGS[flag]
+            if mode not in modes:
+                continue
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
+            if only_above_one and value.strip() == "1":
+                continue
+            raise ValueError(f"sglang.extra_args: {tok}{'' if eq or not value else ' ' + value} is refused in {mode} mode: "
+                             f"{reason}; remove it from sglang.extra_args")
+
+
+def check_server_flags(info: Optional[dict], mode: Mode, url: str) -> None:
+    """Refuse a running server (``sglang.urls``) whose ``/server_info`` shows flags ``mode`` cannot use.
+
+    0.5.23's ``/server_info`` carries the resolved server arguments; an answer without
+    them passes. Native mode refuses mixed chunks and DP attention (``REFUSED_FLAGS``).
+
+    Raises:
+        ServerError: names the server, the flag and the fix.
+    """
+    if mode != "native" or not isinstance(info, dict):
+        return
+    bad = []
+    if info.get("enable_mixed_chunk") is True:
+        bad.append("--enable-mixed-chunk")
+    dp = info.get("attn_dp_size")
+    if info.get("enable_dp_attention") is True or (isinstance(dp, int) and not isinstance(dp, bool) and dp > 1):
+        bad.append("DP attention (--attn-dp-size > 1)")
+    if bad:
+        raise ServerError(f"SGLang server {url} runs with {' and '.join(bad)}: {_OUTSIDE_VERIFY}; restart it without "
+                          "them for rollout.backend sglang_native")
+
+
+def weights_gib(model_dir: Optional[str]) -> float:
+    """GiB of weight files (``*.safetensors``, ``*.bin``, ``*.pt``) directly in ``model_dir``; 0 when it is no directory."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return 0.0
+    return sum(f.stat().st_size for f in Path(model_dir).iterdir() if f.suffix in (".safetensors", ".bin", ".pt")) / 2**30
+
+
+#: Start-up time allowed: a floor plus seconds per GiB of weights (target and drafter).
+STARTUP_FLOOR_S = 600.0
+STARTUP_S_PER_GIB = 20.0
+
+
+def startup_timeout_for(cfg: SGLangConfig, model_path: Optional[str] = None, draft_path: Optional[str] = None) -> float:
+    """``sglang.startup_timeout_s``, or when None: 600 s plus 20 s per GiB of the target's and drafter's weights.
+
+    DFLASH start-up loads both models, captures CUDA graphs for target and draft and
+    compiles kernels; the server restarts for every new drafter. Qwen3-8B (16 GB of
+    bf16 weights) gets about 900 s, Qwen3-30B-A3B (61 GB) about 1700 s.
+    """
+    if cfg.startup_timeout_s is not None:
+        return float(cfg.startup_timeout_s)
+    return STARTUP_FLOOR_S + STARTUP_S_PER_GIB * (weights_gib(model_path) + weights_gib(draft_path))
+
+
+#: Below this share of the free GPU memory a launched server's weights and KV pool would not fit anyway.
+MIN_MEM_FRACTION = 0.2
+
+
+def mem_fraction_for(free_bytes: int, reserve_gb: float) -> float:
+    """``--mem-fraction-static`` that leaves ``reserve_gb`` GiB of ``free_bytes`` (free at the server's start) unclaimed.
+
+    SGLang 0.5.23 sizes its KV pool as the memory free after loading its weights
+    minus ``(1 - fraction)`` times the memory free before loading
+    (``KVCacheConfigurator._profile_available_bytes``): the trainer's drafter and
+    optimizer are already out of what is free, and ``1 - reserve / free`` keeps
+    ``reserve_gb`` for SGLang's activations and this process. Capped at 0.95.
+
+    Raises:
+        ValueError: the fraction would be under 0.2 (names the fields).
+    """
+    free_gib = float(free_bytes) / 2**30
+    frac = 1.0 - float(reserve_gb) / free_gib if free_gib > 0 else 0.0
+    if frac < MIN_MEM_FRACTION:
+        raise ValueError(
+            f"sglang.gpu_reserve_gb={reserve_gb}: only {free_gib:.1f} GiB of the GPU are free when the server starts (the "
+            f"trainer holds the rest), which leaves SGLang under {MIN_MEM_FRACTION:.0%} of it for weights and KV pool; "
+            "lower sglang.gpu_reserve_gb or set sglang.mem_fraction_static, or free GPU memory (sglang.offload_target)"
+        )
+    return round(min(frac, 0.95), 3)
+
+
+def launch_mem_fraction(cfg: SGLangConfig) -> Optional[float]:
+    """The ``--mem-fraction-static`` to launch with: ``sglang.mem_fraction_static``, else ``mem_fraction_for``
+    the memory free on this process's CUDA device now, else None (no GPU here: SGLang's default)."""
+    if cfg.mem_fraction_static is not None:
+        return float(cfg.mem_fraction_static)
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return mem_fraction_for(int(free), cfg.gpu_reserve_gb)
 
 
 class ServerError(RuntimeError):
@@ -75,8 +208,10 @@ def server_args(
     the server's share of the GPU.
 
     Raises:
-        ValueError: a field the mode needs is missing, or a layer id SGLang cannot capture (named).
+        ValueError: a field the mode needs is missing, a layer id SGLang cannot capture, or a flag of
+            ``sglang.extra_args`` the mode refuses (``check_extra_args``; named).
     """
+    check_extra_args(cfg.extra_args, mode)
     args = [
         "--model-path", str(model_path),
         "--host", "127.0.0.1",
@@ -223,7 +358,10 @@ def wait_healthy(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = 
             pass
         time.sleep(delay)
         delay = min(delay * 1.5, 2.0)
-    raise ServerError(f"SGLang server at {url} not healthy after {timeout_s:.0f} s (sglang.startup_timeout_s){_tail(log_path)}")
+    raise ServerError(
+        f"SGLang server at {url} not healthy after {timeout_s:.0f} s: a large target's start-up (weights, CUDA graphs of "
+        f"target and draft, kernel compilation) can take longer; raise sglang.startup_timeout_s{_tail(log_path)}"
+    )
 
 
 def _tail(log_path: Optional[Path], n: int = 20) -> str:
@@ -242,10 +380,12 @@ class SGLangServer:
     """
 
     def __init__(self, cfg: SGLangConfig, args_fn, *, log_path: str | os.PathLike, env: Optional[dict] = None,
-                 require_plugin: bool = False):
+                 require_plugin: bool = False, startup_timeout_s: Optional[float] = None):
         """``args_fn(port) -> list[str]`` builds the arguments (see ``server_args``); ``require_plugin``:
-        fail the start when the log shows the native plugin did not load or hook (``check_plugin_log``)."""
+        fail the start when the log shows the native plugin did not load or hook (``check_plugin_log``);
+        ``startup_timeout_s``: seconds to wait for ``/health`` (None: ``startup_timeout_for(cfg)``)."""
         self.cfg = cfg
+        self.startup_timeout_s = startup_timeout_for(cfg) if startup_timeout_s is None else float(startup_timeout_s)
         self.args_fn = args_fn
         self.port = cfg.port or find_free_port()
         self.log_path = Path(log_path)
@@ -328,7 +468,7 @@ class SGLangServer:
             atexit.register(self.stop)
             self._atexit = True
         try:
-            wait_healthy(self.url, self.cfg.startup_timeout_s, self.proc, self.log_path)
+            wait_healthy(self.url, self.startup_timeout_s, self.proc, self.log_path)
             if self.require_plugin:
                 check_plugin_log(self.log_path, log_start)
         except BaseException:
@@ -401,13 +541,17 @@ class Endpoints:
         self.running_slots = list(running_slots) if running_slots is not None else [None] * len(self.urls)
 
     @classmethod
-    def connect(cls, urls: list[str], timeout_s: float = 30.0) -> "Endpoints":
-        """Wait for each given URL's ``/health`` and read its version and KV pool size."""
+    def connect(cls, urls: list[str], timeout_s: float = 30.0, mode: Optional[Mode] = None) -> "Endpoints":
+        """Wait for each given URL's ``/health`` and read its version and KV pool size.
+
+        With ``mode``, refuse a server whose flags that mode cannot use (``check_server_flags``)."""
         version = "unknown"
         pools, slots = [], []
         for u in urls:
             wait_healthy(u, timeout_s)
             info = server_info(u)
+            if mode is not None:
+                check_server_flags(info, mode, u)
             version = parse_server_info(info)
             pools.append(parse_pool_tokens(info))
             slots.append(parse_running_slots(info))
