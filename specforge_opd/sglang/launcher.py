@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import os
 import shlex
 import signal
@@ -35,8 +34,6 @@ from specforge_opd.sglang.contract import (
 )
 
 Mode = Literal["verify", "native", "plain"]
-
-log = logging.getLogger(__name__)
 
 _ONE_GPU = ("each launched server gets one GPU (its torchrun rank's, launcher.rank_gpu_env), so a parallel size above 1 "
             "cannot start; keep one server per GPU, or start a multi-GPU server yourself and list it in sglang.urls")
