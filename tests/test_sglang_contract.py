@@ -498,3 +498,26 @@ def test_the_kv_pool_leaves_one_minus_the_fraction_of_the_memory_free_at_start(s
     hs = src.text("sglang.srt.managers.scheduler_components.batch_result_processor")
     # verify-mode prefills: every row goes to a Python list (hence verify_max_feature_floats)
     assert "req.hidden_states.append(req_hidden_states.cpu().clone().tolist())" in hs
+
+
+def test_the_standins_answers_are_0_5_23s(src):
+    """Entry 0 of the input log-probs, the hidden-state refusal, the layer range, queue-full 503, the model eos stop."""
+    from specforge_opd.sglang import standin_model
+
+    lp = _compact(src.text("sglang.srt.managers.scheduler_components.logprob_result_processor"))
+    assert "req.logprob.input_token_logprobs_val=[None]+input_token_logprobs[:-1]" in lp
+    assert "ifreq.logprob.top_logprobs_num<=0:return" in lp and "req.logprob.input_top_logprobs_val=[]ifuses_scoring_positionselse[None]" in lp
+    assert "iftop_logprobs_num>0:" in _compact(src.text("sglang.srt.managers.tokenizer_manager"))
+    tm = _join_strings(src.text("sglang.srt.managers.tokenizer_manager"))
+    assert _compact(standin_model.NO_HIDDEN_STATES) in _compact(tm.replace('"\n', '"'))
+    # aux capture alone resolves the hidden-state mode to full (the stand-in lets aux servers return them)
+    hs = _compact(src.func_src("sglang.srt.arg_groups.serving_hook", "handle_return_hidden_states_mode"))
+    assert "ifcfg.enable_return_hidden_statesorcfg.enable_return_aux_hidden_states:" in hs
+    rng = _join_strings(src.func_src("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
+                                     "_check_capture_layer_ids_in_range"))
+    assert "out of range for a " in rng and "target with {num_layers} layers." in rng
+    with pytest.raises(ValueError) as e:
+        standin.check_layer_range([7], 4)
+    assert str(e.value).replace("[7]", "{out_of_range}").replace(" 4 ", " {num_layers} ") in rng.replace('"\n', "").replace('f"', "")
+    sched = src.text("sglang.srt.managers.scheduler")
+    assert 'message = "The request queue is full."' in sched and '"status_code": HTTPStatus.SERVICE_UNAVAILABLE' in sched

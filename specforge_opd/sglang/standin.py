@@ -217,7 +217,8 @@ def backend_from_args(args, native: bool) -> StandinBackend:
                           random_seed=args.random_seed if args.random_seed is not None else 0)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_flags(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The SGLang flags the stand-in honours (unknown ones ignored, as a server with more features would take them)."""
     p = argparse.ArgumentParser(description="SGLang stand-in for tests (127.0.0.1 only)")
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -240,7 +241,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--standin-die-once-file", default=None, help="die only while this file does not exist (then create it)")
     p.add_argument("--standin-delay-s", type=float, default=0.0)
     p.add_argument("--standin-malform", default=None)
-    args, _unknown = p.parse_known_args(argv)
+    return p.parse_known_args(argv)[0]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_flags(argv)
     if args.host != "127.0.0.1":
         raise SystemExit("the stand-in binds 127.0.0.1 only")
     try:
