@@ -84,6 +84,14 @@ def test_a_running_native_server_with_mixed_chunks_is_refused():
         launcher.check_server_flags({"attn_dp_size": 2, "enable_dp_attention": True}, "native", "http://u")
 
 
+def test_connecting_to_a_mixed_chunk_server_for_native_rollouts_is_refused(monkeypatch):
+    monkeypatch.setattr(launcher, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr(launcher, "server_info", lambda url: {"version": "0.5.23", "enable_mixed_chunk": True})
+    assert Endpoints.connect(["http://u"], mode="verify").urls == ["http://u"]
+    with pytest.raises(ServerError, match="--enable-mixed-chunk"):
+        Endpoints.connect(["http://u"], mode="native")
+
+
 # ---------------------------------------------------------------------------
 # 3. the stop set
 
