@@ -271,7 +271,7 @@ class SGLangConfig(Section):
     #: ``--mem-fraction-static`` of a launched server: the share of the GPU memory free
     #: at its start that its weights and KV pool may take. None: set from what is free
     #: when the server starts (after the trainer's target left the GPU), leaving
-    #: ``gpu_reserve_gb`` unclaimed (``launcher.mem_fraction_for``); no GPU here: SGLang's default.
+    #: ``gpu_reserve_gb`` unclaimed (``sglang.sizing.mem_fraction_for``); no GPU here: SGLang's default.
     mem_fraction_static: Optional[float] = Field(default=None, gt=0.0, lt=1.0)
     #: GiB of the GPU memory free at a launched server's start that it leaves unclaimed
     #: when ``mem_fraction_static`` is None: SGLang's own activations and CUDA graphs
@@ -282,7 +282,7 @@ class SGLangConfig(Section):
     #: (the server holds its own copy); verify mode keeps the embedding and lm_head.
     offload_target: bool = True
     #: Seconds a launched server may take to answer ``/health``; None scales it with
-    #: the target's weights (``launcher.startup_timeout_for``: 600 s plus 20 s per GiB):
+    #: the target's weights (``sglang.sizing.startup_timeout_for``: 600 s plus 20 s per GiB):
     #: DFLASH start-up loads target and drafter, captures CUDA graphs for both and
     #: compiles kernels, and the server restarts for every new drafter.
     startup_timeout_s: Optional[float] = Field(default=None, gt=0)

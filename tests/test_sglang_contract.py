@@ -491,7 +491,7 @@ def test_the_flags_we_refuse_exist_and_mixed_chunks_stay_on_with_dflash(src):
 
 
 def test_the_kv_pool_leaves_one_minus_the_fraction_of_the_memory_free_at_start(src):
-    """``launcher.mem_fraction_for`` solves 0.5.23's rule: pool = free after loading - (1 - f) x free before loading."""
+    """``sizing.mem_fraction_for`` solves 0.5.23's rule: pool = free after loading - (1 - f) x free before loading."""
     f = _compact(src.func_src("sglang.srt.mem_cache.kv_cache_configurator", "_profile_available_bytes", "KVCacheConfigurator"))
     assert "slack_gb=pre_model_load_memory*(1-get_schedule().mem_fraction_static)" in f
     assert "rest_memory=available_gpu_memory-slack_gb-mm_reservation_gb" in f

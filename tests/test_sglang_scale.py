@@ -18,7 +18,7 @@ import torch
 
 from specforge_opd.config import SGLangConfig, load_config
 from specforge_opd.rollout.records import RolloutRecord
-from specforge_opd.sglang import launcher, rollout_backend
+from specforge_opd.sglang import launcher, rollout_backend, sizing
 from specforge_opd.sglang.launcher import Endpoints, ServerError, server_args
 from specforge_opd.sglang.native import native_rollout_async
 from specforge_opd.sglang.verify_client import for_each_prompt, verify_rollout_async
@@ -181,9 +181,9 @@ def test_startup_timeout_scales_with_the_weights_and_names_the_setting(tmp_path)
     big.mkdir()
     with open(big / "model.safetensors", "wb") as f:  # sparse: 57 GiB of "weights" on no disk
         f.truncate(57 * 2**30)
-    assert launcher.startup_timeout_for(SGLangConfig(), str(big)) == pytest.approx(600 + 20 * 57)
-    assert launcher.startup_timeout_for(SGLangConfig(startup_timeout_s=99.0), str(big)) == 99.0
-    assert launcher.startup_timeout_for(SGLangConfig()) == 600.0
+    assert sizing.startup_timeout_for(SGLangConfig(), str(big)) == pytest.approx(600 + 20 * 57)
+    assert sizing.startup_timeout_for(SGLangConfig(startup_timeout_s=99.0), str(big)) == 99.0
+    assert sizing.startup_timeout_for(SGLangConfig()) == 600.0
     with pytest.raises(ServerError, match=r"not healthy after 0 s: .*raise sglang.startup_timeout_s"):
         launcher.wait_healthy("http://127.0.0.1:9", 0.2)
 
@@ -193,10 +193,10 @@ def test_startup_timeout_scales_with_the_weights_and_names_the_setting(tmp_path)
 
 
 def test_mem_fraction_is_set_from_what_the_trainer_leaves(monkeypatch):
-    assert launcher.mem_fraction_for(40 * 2**30, 12.0) == pytest.approx(0.7)
-    assert launcher.mem_fraction_for(140 * 2**30, 1.0) == 0.95
+    assert sizing.mem_fraction_for(40 * 2**30, 12.0) == pytest.approx(0.7)
+    assert sizing.mem_fraction_for(140 * 2**30, 1.0) == 0.95
     with pytest.raises(ValueError, match=r"sglang.gpu_reserve_gb=12.0: only 14.0 GiB of the GPU are free"):
-        launcher.mem_fraction_for(14 * 2**30, 12.0)
+        sizing.mem_fraction_for(14 * 2**30, 12.0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * 2**30, 141 * 2**30))
     scfg = rollout_backend.launch_config(SGLangConfig(), "native")

@@ -32,8 +32,21 @@ from specforge_opd.sglang.contract import (
     server_layer_ids,
     version_tuple,
 )
+from specforge_opd.sglang.sizing import startup_timeout_for
 
 Mode = Literal["verify", "native", "plain"]
+
+
+class ServerError(RuntimeError):
+    """The SGLang server did not start, died, or is unreachable; the message points at its log."""
+
+
+def find_free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
 
 _ONE_GPU = ("each launched server gets one GPU (its torchrun rank's, launcher.rank_gpu_env), so a parallel size above 1 "
             "cannot start; keep one server per GPU, or start a multi-GPU server yourself and list it in sglang.urls")
@@ -98,83 +111,6 @@ def check_server_flags(info: Optional[dict], mode: Mode, url: str) -> None:
     if bad:
         raise ServerError(f"SGLang server {url} runs with {' and '.join(bad)}: {_OUTSIDE_VERIFY}; restart it without "
                           "them for rollout.backend sglang_native")
-
-
-def weights_gib(model_dir: Optional[str]) -> float:
-    """GiB of weight files (``*.safetensors``, ``*.bin``, ``*.pt``) directly in ``model_dir``; 0 when it is no directory."""
-    if model_dir is None or not Path(model_dir).is_dir():
-        return 0.0
-    return sum(f.stat().st_size for f in Path(model_dir).iterdir() if f.suffix in (".safetensors", ".bin", ".pt")) / 2**30
-
-
-#: Start-up time allowed: a floor plus seconds per GiB of weights (target and drafter).
-STARTUP_FLOOR_S = 600.0
-STARTUP_S_PER_GIB = 20.0
-
-
-def startup_timeout_for(cfg: SGLangConfig, model_path: Optional[str] = None, draft_path: Optional[str] = None) -> float:
-    """``sglang.startup_timeout_s``, or when None: 600 s plus 20 s per GiB of the target's and drafter's weights.
-
-    DFLASH start-up loads both models, captures CUDA graphs for target and draft and
-    compiles kernels; the server restarts for every new drafter. Qwen3-8B (16 GB of
-    bf16 weights) gets about 900 s, Qwen3-30B-A3B (61 GB) about 1700 s.
-    """
-    if cfg.startup_timeout_s is not None:
-        return float(cfg.startup_timeout_s)
-    return STARTUP_FLOOR_S + STARTUP_S_PER_GIB * (weights_gib(model_path) + weights_gib(draft_path))
-
-
-#: Below this share of the free GPU memory a launched server's weights and KV pool would not fit anyway.
-MIN_MEM_FRACTION = 0.2
-
-
-def mem_fraction_for(free_bytes: int, reserve_gb: float) -> float:
-    """``--mem-fraction-static`` that leaves ``reserve_gb`` GiB of ``free_bytes`` (free at the server's start) unclaimed.
-
-    SGLang 0.5.23 sizes its KV pool as the memory free after loading its weights
-    minus ``(1 - fraction)`` times the memory free before loading
-    (``KVCacheConfigurator._profile_available_bytes``): the trainer's drafter and
-    optimizer are already out of what is free, and ``1 - reserve / free`` keeps
-    ``reserve_gb`` for SGLang's activations and this process. Capped at 0.95.
-
-    Raises:
-        ValueError: the fraction would be under 0.2 (names the fields).
-    """
-    free_gib = float(free_bytes) / 2**30
-    frac = 1.0 - float(reserve_gb) / free_gib if free_gib > 0 else 0.0
-    if frac < MIN_MEM_FRACTION:
-        raise ValueError(
-            f"sglang.gpu_reserve_gb={reserve_gb}: only {free_gib:.1f} GiB of the GPU are free when the server starts (the "
-            f"trainer holds the rest), which leaves SGLang under {MIN_MEM_FRACTION:.0%} of it for weights and KV pool; "
-            "lower sglang.gpu_reserve_gb or set sglang.mem_fraction_static, or free GPU memory (sglang.offload_target)"
-        )
-    return round(min(frac, 0.95), 3)
-
-
-def launch_mem_fraction(cfg: SGLangConfig) -> Optional[float]:
-    """The ``--mem-fraction-static`` to launch with: ``sglang.mem_fraction_static``, else ``mem_fraction_for``
-    the memory free on this process's CUDA device now, else None (no GPU here: SGLang's default)."""
-    if cfg.mem_fraction_static is not None:
-        return float(cfg.mem_fraction_static)
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    free, _total = torch.cuda.mem_get_info()
-    return mem_fraction_for(int(free), cfg.gpu_reserve_gb)
-
-
-class ServerError(RuntimeError):
-    """The SGLang server did not start, died, or is unreachable; the message points at its log."""
-
-
-def find_free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_args(

@@ -24,16 +24,8 @@ from typing import Iterable
 import torch
 
 from specforge_opd.config import ExperimentConfig, SGLangConfig
-from specforge_opd.sglang.launcher import (
-    Endpoints,
-    SGLangServer,
-    check_extra_args,
-    launch_mem_fraction,
-    mode_env,
-    rank_gpu_env,
-    server_args,
-    startup_timeout_for,
-)
+from specforge_opd.sglang.launcher import Endpoints, SGLangServer, check_extra_args, mode_env, rank_gpu_env, server_args
+from specforge_opd.sglang.sizing import launch_mem_fraction, startup_timeout_for
 
 
 @contextlib.contextmanager
@@ -58,11 +50,11 @@ def endpoints_for(cfg: ExperimentConfig, *, mode: str, model_path: str, layer_id
 
 def launch_config(scfg: SGLangConfig, mode: str) -> SGLangConfig:
     """``scfg`` with what a launch here resolves: ``mem_fraction_static`` from the GPU memory free now
-    (``launcher.launch_mem_fraction``, after the target left the GPU).
+    (``sizing.launch_mem_fraction``, after the target left the GPU).
 
     Raises:
         ValueError: a refused flag in ``sglang.extra_args`` (``launcher.check_extra_args``), or too little
-            free GPU memory for ``sglang.gpu_reserve_gb`` (``launcher.mem_fraction_for``).
+            free GPU memory for ``sglang.gpu_reserve_gb`` (``sizing.mem_fraction_for``).
     """
     check_extra_args(scfg.extra_args, mode)
     return scfg.model_copy(update={"mem_fraction_static": launch_mem_fraction(scfg)})
