@@ -96,9 +96,9 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
     """
     from specforge_opd.models.drafter import drafter_layer_ids
     from specforge_opd.rollout.shards import written_sample_ids
+    from specforge_opd.sglang.contract import server_layer_ids
     from specforge_opd.sglang.native import native_rollout_async
     from specforge_opd.sglang.speculate import Drafter
-    from specforge_opd.sglang.contract import server_layer_ids
     from specforge_opd.sglang.verify_client import check_verify_feature_size, check_verify_settings, verify_rollout_to_shards
 
     rc = cfg.rollout
