@@ -268,22 +268,41 @@ class SGLangConfig(Section):
     #: Command that runs SGLang's Python (SGLang usually lives in its own env).
     python: str = "python"
     urls: List[str] = Field(default_factory=list)
-    #: KV pool of a launched server in tokens (``--max-total-tokens``); None lets SGLang
-    #: size it from the GPU (``mem_fraction_static``). Native rollouts bound the tokens
-    #: in flight by the pool the server reports, so queued requests never time out.
-    max_total_tokens: Optional[int] = Field(default=65536, gt=0)
-    #: ``--mem-fraction-static`` of a launched server: its share of the GPU (weights
-    #: and KV pool); the rest stays with the drafter (and, in verify mode, the
-    #: target's embedding and lm_head). None: SGLang's default.
+    #: KV pool of a launched server in tokens (``--max-total-tokens``); None (the default)
+    #: lets SGLang size it from the GPU memory free at its start (``mem_fraction_static``).
+    #: Native rollouts bound the tokens in flight by the pool the server reports, so
+    #: queued requests never time out; a fixed pool caps the rollout's concurrency
+    #: (65536 tokens hold 10 requests of 2048 + 4096 tokens, of DFLASH's 48 slots).
+    max_total_tokens: Optional[int] = Field(default=None, gt=0)
+    #: ``--mem-fraction-static`` of a launched server: the share of the GPU memory free
+    #: at its start that its weights and KV pool may take. None: set from what is free
+    #: when the server starts (after the trainer's target left the GPU), leaving
+    #: ``gpu_reserve_gb`` unclaimed (``sglang.sizing.mem_fraction_for``); no GPU here: SGLang's default.
     mem_fraction_static: Optional[float] = Field(default=None, gt=0.0, lt=1.0)
+    #: GiB of the GPU memory free at a launched server's start that it leaves unclaimed
+    #: when ``mem_fraction_static`` is None: SGLang's own activations and CUDA graphs
+    #: (it reserves about 10 GiB on GPUs over 60 GiB) plus this process's while the
+    #: server runs (verify mode drafts on the GPU).
+    gpu_reserve_gb: float = Field(default=12.0, ge=0.0)
     #: Move the in-process target off the GPU while a rollout goes through SGLang
     #: (the server holds its own copy); verify mode keeps the embedding and lm_head.
     offload_target: bool = True
-    startup_timeout_s: float = Field(default=600.0, gt=0)
+    #: Seconds a launched server may take to answer ``/health``; None scales it with
+    #: the target's weights (``sglang.sizing.startup_timeout_for``: 600 s plus 20 s per GiB):
+    #: DFLASH start-up loads target and drafter, captures CUDA graphs for both and
+    #: compiles kernels, and the server restarts for every new drafter.
+    startup_timeout_s: Optional[float] = Field(default=None, gt=0)
     #: Per-request timeout = request_timeout_s + timeout_per_token_s * max_new_tokens.
     request_timeout_s: float = Field(default=120.0, gt=0)
     timeout_per_token_s: float = Field(default=0.05, ge=0.0)
     max_in_flight: int = Field(default=64, gt=0)
+    #: Verify mode: most feature floats one response may carry (prompt length x captured
+    #: layers x hidden size for a prefill). SGLang sends them as JSON, about 20 bytes a
+    #: float; past this the rollout is refused with a pointer to native mode.
+    verify_max_feature_floats: int = Field(default=8_000_000, gt=0)
+    #: More SGLang flags. Refused: ``--host``/``--port`` (the launcher binds 127.0.0.1 on
+    #: ``sglang.port``), parallel sizes above 1 (one GPU per server), and in native mode
+    #: ``--enable-mixed-chunk`` and DP attention (``launcher.check_extra_args``).
     extra_args: List[str] = Field(default_factory=list)
     #: Module run as ``python -m MODULE`` (the test stand-in replaces SGLang's own).
     launch_module: str = "sglang.launch_server"

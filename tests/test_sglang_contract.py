@@ -433,3 +433,91 @@ def test_our_install_requirements_admit_sglangs_own_pins(src):
         pinned = [s.version for s in r.specifier if s.operator == "=="]
         assert pinned, f"sglang pins {r}"
         assert ours[name].specifier.contains(pinned[0]), f"setup.py {ours[name]} refuses sglang's {r}"
+
+
+# ---------------------------------------------------------------------------
+# at the paper's scale: stop sets, seeds, refused flags, memory (tests/test_sglang_scale.py holds our side)
+
+
+def test_sglang_stops_on_config_and_generation_config_eos_as_our_stop_set_does(src):
+    """0.5.23 stops on ``config.json`` eos | ``generation_config.json`` eos besides the request's ids: our set is built alike."""
+    from types import SimpleNamespace
+
+    from specforge_opd.models.target import stop_token_ids
+
+    f = _compact(src.func_src("sglang.srt.configs.model_config", "_get_hf_eos_token_id", "ModelConfig"))
+    assert 'getattr(self.hf_config,"eos_token_id",None)' in f and 'getattr(self.hf_generation_config,"eos_token_id",None)' in f
+    assert "eos_ids=eos_ids|generation_eos_ids" in f
+    finish = _compact(src.func_src("sglang.srt.managers.schedule_batch", "_check_token_based_finish", "Req"))
+    assert "ifself.sampling_params.ignore_eos:returnFalse" in finish
+    assert "matched_eos|=token_idinself.sampling_params.stop_token_ids" in finish
+    assert "matched_eos|=token_idinself.eos_token_ids" in finish, "SGLang no longer stops on the model's eos ids"
+    assert "eos_token_ids=self.model_config.hf_eos_token_id" in _compact(src.text("sglang.srt.managers.scheduler"))
+
+    # replay SGLang's rule on Qwen3's files: the request's stop ids (ours) | the model's eos = ours
+    config, gen = SimpleNamespace(eos_token_id=151645), SimpleNamespace(eos_token_id=[151645, 151643])
+    tok = SimpleNamespace(eos_token_id=151645, unk_token_id=None, convert_tokens_to_ids=lambda t: 151645)
+    ours = set(stop_token_ids(tok, config, [], gen))
+    sglang = {config.eos_token_id} | set(gen.eos_token_id)
+    assert ours | sglang == ours
+
+
+def test_seeds_reach_sampling_only_in_deterministic_mode_and_never_dflash_acceptance(src):
+    sb = _compact(src.func_src("sglang.srt.sampling.sampling_batch_info", "from_schedule_batch", "SamplingBatchInfo"))
+    assert "enable_deterministic=get_exec().deterministic.enable_deterministic_inference" in sb
+    assert "ifenable_deterministicelseNone" in sb, "sampling_seed is no longer gated by --enable-deterministic-inference"
+    worker = _compact(src.text("sglang.srt.speculative.dflash_worker_v2"))
+    call = worker[worker.index("accept_len,bonus=compute_dflash_sampling_correct_drafts_and_bonus("):]
+    call = call[: call.index(")")]
+    assert "uniform_samples" not in call and "seed" not in call, "DFLASH's sampling verify now takes coins: revisit NOT_REPRODUCIBLE"
+    coins = _compact(src.func_src("sglang.srt.speculative.dflash_utils", "compute_dflash_sampling_correct_drafts_and_bonus"))
+    assert "ifuniform_samplesisNone:coins=torch.rand(" in coins
+    assert "enable_deterministic_inference" in set(_fields(src.cls("sglang.srt.arg_groups.fields.exec_", "ExecDeterministic")))
+
+
+def test_the_flags_we_refuse_exist_and_mixed_chunks_stay_on_with_dflash(src):
+    flags = _cli_flags(src)
+    missing = sorted(f for f in launcher.REFUSED_FLAGS if f not in flags and f != "--enable-dp-attention")
+    assert not missing, f"sglang {sgl_wheel.VERSION} has no flag {missing}: launcher.REFUSED_FLAGS is stale"
+    assert '"--enable-dp-attention"' in src.text("sglang.srt.server_args")  # deprecated spelling, registered by hand
+    # SGLang itself keeps mixed chunks with DFLASH: only our refusal protects the anchor recurrence
+    mixed = _compact(src.func_src("sglang.srt.speculative.spec_info", "supports_mixed_chunk", "SpeculativeAlgorithm"))
+    assert "SpeculativeAlgorithm.DFLASH" in mixed
+    # /server_info carries the resolved fields check_server_flags and HTTPClient.check_seed read
+    assert "resolved[\"enable_dp_attention\"]=resolving_view(self).attn_dp_size>1" in _compact(
+        src.func_src("sglang.srt.server_args", "resolved_dict", "ServerArgs"))
+    sched = set(_fields(src.cls("sglang.srt.arg_groups.fields.schedule", "Schedule")))
+    assert "enable_mixed_chunk" in sched
+
+
+def test_the_kv_pool_leaves_one_minus_the_fraction_of_the_memory_free_at_start(src):
+    """``sizing.mem_fraction_for`` solves 0.5.23's rule: pool = free after loading - (1 - f) x free before loading."""
+    f = _compact(src.func_src("sglang.srt.mem_cache.kv_cache_configurator", "_profile_available_bytes", "KVCacheConfigurator"))
+    assert "slack_gb=pre_model_load_memory*(1-get_schedule().mem_fraction_static)" in f
+    assert "rest_memory=available_gpu_memory-slack_gb-mm_reservation_gb" in f
+    hs = src.text("sglang.srt.managers.scheduler_components.batch_result_processor")
+    # verify-mode prefills: every row goes to a Python list (hence verify_max_feature_floats)
+    assert "req.hidden_states.append(req_hidden_states.cpu().clone().tolist())" in hs
+
+
+def test_the_standins_answers_are_0_5_23s(src):
+    """Entry 0 of the input log-probs, the hidden-state refusal, the layer range, queue-full 503, the model eos stop."""
+    from specforge_opd.sglang import standin_model
+
+    lp = _compact(src.text("sglang.srt.managers.scheduler_components.logprob_result_processor"))
+    assert "req.logprob.input_token_logprobs_val=[None]+input_token_logprobs[:-1]" in lp
+    assert "ifreq.logprob.top_logprobs_num<=0:return" in lp and "req.logprob.input_top_logprobs_val=[]ifuses_scoring_positionselse[None]" in lp
+    assert "iftop_logprobs_num>0:" in _compact(src.text("sglang.srt.managers.tokenizer_manager"))
+    tm = _join_strings(src.text("sglang.srt.managers.tokenizer_manager"))
+    assert _compact(standin_model.NO_HIDDEN_STATES) in _compact(tm.replace('"\n', '"'))
+    # aux capture alone resolves the hidden-state mode to full (the stand-in lets aux servers return them)
+    hs = _compact(src.func_src("sglang.srt.arg_groups.serving_hook", "handle_return_hidden_states_mode"))
+    assert "ifcfg.enable_return_hidden_statesorcfg.enable_return_aux_hidden_states:" in hs
+    rng = _join_strings(src.func_src("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
+                                     "_check_capture_layer_ids_in_range"))
+    assert "out of range for a " in rng and "target with {num_layers} layers." in rng
+    with pytest.raises(ValueError) as e:
+        standin.check_layer_range([7], 4)
+    assert str(e.value).replace("[7]", "{out_of_range}").replace(" 4 ", " {num_layers} ") in rng.replace('"\n', "").replace('f"', "")
+    sched = src.text("sglang.srt.managers.scheduler")
+    assert 'message = "The request queue is full."' in sched and '"status_code": HTTPStatus.SERVICE_UNAVAILABLE' in sched

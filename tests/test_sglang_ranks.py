@@ -60,8 +60,8 @@ def test_each_rank_launches_its_server_on_its_gpu(tmp_path, monkeypatch):
     seen = {}
 
     class FakeServer:
-        def __init__(self, cfg, args_fn, *, log_path, env=None, require_plugin=False):
-            seen.update(env=env, require_plugin=require_plugin, args=args_fn(1234))
+        def __init__(self, cfg, args_fn, *, log_path, env=None, require_plugin=False, startup_timeout_s=None):
+            seen.update(env=env, require_plugin=require_plugin, args=args_fn(1234), startup_timeout_s=startup_timeout_s)
             self.url, self.version, self.pool_tokens = "http://127.0.0.1:1234", "0.5.23", 1000
 
         def __enter__(self):
@@ -81,6 +81,7 @@ def test_each_rank_launches_its_server_on_its_gpu(tmp_path, monkeypatch):
     assert seen["env"]["SGLANG_FORCE_STREAM_INTERVAL"]
     a = seen["args"]
     assert a[a.index("--mem-fraction-static") + 1] == "0.6" and "--max-total-tokens" not in a
+    assert seen["startup_timeout_s"] == 600.0  # no weights at /m: the floor (sglang.startup_timeout_s None scales it)
 
 
 def test_target_off_gpu_is_a_no_op_on_a_cpu():

@@ -34,8 +34,9 @@ class TargetBundle:
         path: the HF directory it came from.
         identity: 12 hex chars: sha256 of config.json and the weight files' names and
             sizes; shards and checkpoints record it to refuse a different target.
-        stop_token_ids: eos, ``<|im_end|>`` when the vocabulary has it, and
-            ``target.stop_token_ids``; sorted, unique.
+        stop_token_ids: eos of the tokenizer, config and generation config, ``<|im_end|>``
+            when the vocabulary has it, and ``target.stop_token_ids``; sorted, unique
+            (``stop_token_ids``: the set SGLang stops on too).
     """
 
     model: Any
@@ -105,10 +106,18 @@ def target_identity(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def stop_token_ids(tokenizer, config, extra: list[int]) -> list[int]:
-    """eos ids of the tokenizer and the model config, ``<|im_end|>`` if the vocabulary has it, plus ``extra``."""
+def stop_token_ids(tokenizer, config, extra: list[int], generation_config=None) -> list[int]:
+    """The ids decoding stops at, sorted: eos of the tokenizer, the model config and its generation config,
+    ``<|im_end|>`` if the vocabulary has it, plus ``extra``.
+
+    SGLang stops on the eos ids of ``config.json`` and ``generation_config.json`` together
+    (0.5.23 ``ModelConfig._get_hf_eos_token_id``; Qwen3's generation config adds 151643),
+    whatever the request's ``stop_token_ids``: every backend uses this set so that a
+    record says ``finished`` where SGLang stopped.
+    """
     ids: set[int] = set(int(i) for i in extra)
-    for src in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
+    for src in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None),
+                getattr(generation_config, "eos_token_id", None)):
         if isinstance(src, int):
             ids.add(src)
         elif isinstance(src, (list, tuple)):
@@ -214,7 +223,7 @@ def load_target(tcfg) -> TargetBundle:
     bad = [i for i in tcfg.stop_token_ids if not 0 <= i < vocab]
     if bad:
         raise TargetError(f"target.stop_token_ids {bad} lie outside the target vocabulary (size {vocab})")
-    stops = stop_token_ids(tokenizer, model.config, list(tcfg.stop_token_ids))
+    stops = stop_token_ids(tokenizer, model.config, list(tcfg.stop_token_ids), getattr(model, "generation_config", None))
     log.info("target %s (%s) on %s/%s, stop ids %s", path, identity, device, tcfg.dtype, stops)
     return TargetBundle(model=model, tokenizer=tokenizer, path=path, identity=identity, stop_token_ids=stops)
 

@@ -32,6 +32,7 @@ from specforge_opd.sglang.contract import (
     server_layer_ids,
     version_tuple,
 )
+from specforge_opd.sglang.sizing import startup_timeout_for
 
 Mode = Literal["verify", "native", "plain"]
 
@@ -45,6 +46,71 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_ONE_GPU = ("each launched server gets one GPU (its torchrun rank's, launcher.rank_gpu_env), so a parallel size above 1 "
+            "cannot start; keep one server per GPU, or start a multi-GPU server yourself and list it in sglang.urls")
+_OUTSIDE_VERIFY = ("it gives a decoding request one plain target token outside any verify step, which breaks the native "
+                   "rollout's anchor recurrence (opd_anchor != expected)")
+
+#: Flags of ``sglang.extra_args`` the launcher refuses: flag -> (modes, refused only when its value is not "1", reason).
+#: argparse also takes an unambiguous prefix (``--tp`` for ``--tp-size``): ``check_extra_args`` matches those too.
+REFUSED_FLAGS: dict[str, tuple[tuple[str, ...], bool, str]] = {
+    "--host": (("verify", "native", "plain"), False, "the launcher binds 127.0.0.1 itself (a server elsewhere: sglang.urls)"),
+    "--port": (("verify", "native", "plain"), False, "the launcher picks a free port (a fixed one: sglang.port)"),
+    **{f: (("verify", "native", "plain"), True, _ONE_GPU) for f in (
+        "--tp-size", "--tensor-parallel-size", "--dp-size", "--data-parallel-size", "--pp-size",
+        "--pipeline-parallel-size", "--attn-dp-size", "--attention-data-parallel-size", "--nnodes")},
+    "--enable-dp-attention": (("verify", "native", "plain"), False, "DP attention needs several GPUs and, with extend "
+                              "batches, " + _OUTSIDE_VERIFY),
+    "--enable-mixed-chunk": (("native",), False, "a mixed prefill-decode batch " + _OUTSIDE_VERIFY),
+}
+
+
+def check_extra_args(extra_args: list[str], mode: Mode) -> None:
+    """Refuse a flag of ``sglang.extra_args`` that cannot work for ``mode`` (``REFUSED_FLAGS``).
+
+    Raises:
+        ValueError: one line naming the flag, the reason and the fix.
+    """
+    args = [str(a) for a in extra_args]
+    for i, tok in enumerate(args):
+        if not tok.startswith("--"):
+            continue
+        name, eq, inline = tok.partition("=")
+        hits = [f for f in REFUSED_FLAGS if f == name] or (
+            [f for f in REFUSED_FLAGS if len(name) >= 4 and f.startswith(name)])
+        for flag in hits:
+            modes, only_above_one, reason = REFUSED_FLAGS[flag]
+            if mode not in modes:
+                continue
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "")
+            if only_above_one and value.strip() == "1":
+                continue
+            raise ValueError(f"sglang.extra_args: {tok}{'' if eq or not value else ' ' + value} is refused in {mode} mode: "
+                             f"{reason}; remove it from sglang.extra_args")
+
+
+def check_server_flags(info: Optional[dict], mode: Mode, url: str) -> None:
+    """Refuse a running server (``sglang.urls``) whose ``/server_info`` shows flags ``mode`` cannot use.
+
+    0.5.23's ``/server_info`` carries the resolved server arguments; an answer without
+    them passes. Native mode refuses mixed chunks and DP attention (``REFUSED_FLAGS``).
+
+    Raises:
+        ServerError: names the server, the flag and the fix.
+    """
+    if mode != "native" or not isinstance(info, dict):
+        return
+    bad = []
+    if info.get("enable_mixed_chunk") is True:
+        bad.append("--enable-mixed-chunk")
+    dp = info.get("attn_dp_size")
+    if info.get("enable_dp_attention") is True or (isinstance(dp, int) and not isinstance(dp, bool) and dp > 1):
+        bad.append("DP attention (--attn-dp-size > 1)")
+    if bad:
+        raise ServerError(f"SGLang server {url} runs with {' and '.join(bad)}: {_OUTSIDE_VERIFY}; restart it without "
+                          "them for rollout.backend sglang_native")
 
 
 def server_args(
@@ -75,8 +141,10 @@ def server_args(
     the server's share of the GPU.
 
     Raises:
-        ValueError: a field the mode needs is missing, or a layer id SGLang cannot capture (named).
+        ValueError: a field the mode needs is missing, a layer id SGLang cannot capture, or a flag of
+            ``sglang.extra_args`` the mode refuses (``check_extra_args``; named).
     """
+    check_extra_args(cfg.extra_args, mode)
     args = [
         "--model-path", str(model_path),
         "--host", "127.0.0.1",
@@ -223,7 +291,10 @@ def wait_healthy(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = 
             pass
         time.sleep(delay)
         delay = min(delay * 1.5, 2.0)
-    raise ServerError(f"SGLang server at {url} not healthy after {timeout_s:.0f} s (sglang.startup_timeout_s){_tail(log_path)}")
+    raise ServerError(
+        f"SGLang server at {url} not healthy after {timeout_s:.0f} s: a large target's start-up (weights, CUDA graphs of "
+        f"target and draft, kernel compilation) can take longer; raise sglang.startup_timeout_s{_tail(log_path)}"
+    )
 
 
 def _tail(log_path: Optional[Path], n: int = 20) -> str:
@@ -242,10 +313,12 @@ class SGLangServer:
     """
 
     def __init__(self, cfg: SGLangConfig, args_fn, *, log_path: str | os.PathLike, env: Optional[dict] = None,
-                 require_plugin: bool = False):
+                 require_plugin: bool = False, startup_timeout_s: Optional[float] = None):
         """``args_fn(port) -> list[str]`` builds the arguments (see ``server_args``); ``require_plugin``:
-        fail the start when the log shows the native plugin did not load or hook (``check_plugin_log``)."""
+        fail the start when the log shows the native plugin did not load or hook (``check_plugin_log``);
+        ``startup_timeout_s``: seconds to wait for ``/health`` (None: ``startup_timeout_for(cfg)``)."""
         self.cfg = cfg
+        self.startup_timeout_s = startup_timeout_for(cfg) if startup_timeout_s is None else float(startup_timeout_s)
         self.args_fn = args_fn
         self.port = cfg.port or find_free_port()
         self.log_path = Path(log_path)
@@ -328,7 +401,7 @@ class SGLangServer:
             atexit.register(self.stop)
             self._atexit = True
         try:
-            wait_healthy(self.url, self.cfg.startup_timeout_s, self.proc, self.log_path)
+            wait_healthy(self.url, self.startup_timeout_s, self.proc, self.log_path)
             if self.require_plugin:
                 check_plugin_log(self.log_path, log_start)
         except BaseException:
@@ -401,13 +474,17 @@ class Endpoints:
         self.running_slots = list(running_slots) if running_slots is not None else [None] * len(self.urls)
 
     @classmethod
-    def connect(cls, urls: list[str], timeout_s: float = 30.0) -> "Endpoints":
-        """Wait for each given URL's ``/health`` and read its version and KV pool size."""
+    def connect(cls, urls: list[str], timeout_s: float = 30.0, mode: Optional[Mode] = None) -> "Endpoints":
+        """Wait for each given URL's ``/health`` and read its version and KV pool size.
+
+        With ``mode``, refuse a server whose flags that mode cannot use (``check_server_flags``)."""
         version = "unknown"
         pools, slots = [], []
         for u in urls:
             wait_healthy(u, timeout_s)
             info = server_info(u)
+            if mode is not None:
+                check_server_flags(info, mode, u)
             version = parse_server_info(info)
             pools.append(parse_pool_tokens(info))
             slots.append(parse_running_slots(info))

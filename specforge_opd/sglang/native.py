@@ -373,6 +373,14 @@ def record_from_native(
     return rec
 
 
+#: Said once per native rollout at temperature > 0.
+NOT_REPRODUCIBLE = (
+    "rollout.temperature=%s through SGLang native mode is not reproducible: DFLASH's sampling verify draws its "
+    "acceptance coins with torch.rand, which no sampling_seed reaches (not even with --enable-deterministic-inference), "
+    "so a rerun or a resumed run samples other rollouts; use rollout.temperature 0 where rollouts must repeat"
+)
+
+
 def request_tokens(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     """KV-pool tokens one native request may hold: prompt, response, and DFLASH's reserve of two blocks."""
     return int(prompt_len) + int(max_new_tokens) + 2 * int(block_size)
@@ -402,6 +410,8 @@ async def native_rollout_async(
     """
     from specforge_opd.sglang.verify_client import for_each_prompt
 
+    if temperature > 0:
+        log.warning(NOT_REPRODUCIBLE, temperature)
     timeout = request_timeout_s(sglang_cfg, max_new_tokens)
     counts = {"retracted": 0}
 

@@ -8,7 +8,8 @@ once by the launcher, and a rerun resumes from the shards already written.
 GPU memory: a launched server loads its own copy of the target, so the
 in-process target leaves the GPU for the rollout (``sglang.offload_target``;
 verify mode keeps the embedding and lm_head, which the drafter uses) and comes
-back for training; ``sglang.mem_fraction_static`` sets the server's share of
+back for training; ``sglang.mem_fraction_static`` (default: set from the memory
+free at launch, leaving ``sglang.gpu_reserve_gb``) sets the server's share of
 what is left. Under torchrun each rank's server gets the rank's own GPU
 (``launcher.rank_gpu_env``).
 """
@@ -22,8 +23,9 @@ from typing import Iterable
 
 import torch
 
-from specforge_opd.config import ExperimentConfig
-from specforge_opd.sglang.launcher import Endpoints, SGLangServer, mode_env, rank_gpu_env, server_args
+from specforge_opd.config import ExperimentConfig, SGLangConfig
+from specforge_opd.sglang.launcher import Endpoints, SGLangServer, check_extra_args, mode_env, rank_gpu_env, server_args
+from specforge_opd.sglang.sizing import launch_mem_fraction, startup_timeout_for
 
 
 @contextlib.contextmanager
@@ -31,18 +33,31 @@ def endpoints_for(cfg: ExperimentConfig, *, mode: str, model_path: str, layer_id
                   draft_path: str | None, log_dir: Path, num_target_layers: int | None = None):
     """``Endpoints`` over ``sglang.urls``, or over a server launched (and stopped) here on this rank's GPU."""
     if cfg.sglang.urls:
-        yield Endpoints.connect(cfg.sglang.urls, timeout_s=cfg.sglang.startup_timeout_s)
+        yield Endpoints.connect(cfg.sglang.urls, timeout_s=startup_timeout_for(cfg.sglang), mode=mode)
         return
+    scfg = launch_config(cfg.sglang, mode)
 
     def args(port):
-        return server_args(cfg.sglang, model_path=model_path, port=port, mode=mode, target_layer_ids=layer_ids,
+        return server_args(scfg, model_path=model_path, port=port, mode=mode, target_layer_ids=layer_ids,
                            draft_path=draft_path, block_size=block_size, dtype=cfg.target.dtype,
                            num_target_layers=num_target_layers)
 
     env = {**rank_gpu_env(), **mode_env(mode)}
-    with SGLangServer(cfg.sglang, args, log_path=log_dir / f"sglang-{mode}.log", env=env,
-                      require_plugin=mode == "native") as server:
+    with SGLangServer(scfg, args, log_path=log_dir / f"sglang-{mode}.log", env=env, require_plugin=mode == "native",
+                      startup_timeout_s=startup_timeout_for(scfg, model_path, draft_path)) as server:
         yield Endpoints.launched([server])
+
+
+def launch_config(scfg: SGLangConfig, mode: str) -> SGLangConfig:
+    """``scfg`` with what a launch here resolves: ``mem_fraction_static`` from the GPU memory free now
+    (``sizing.launch_mem_fraction``, after the target left the GPU).
+
+    Raises:
+        ValueError: a refused flag in ``sglang.extra_args`` (``launcher.check_extra_args``), or too little
+            free GPU memory for ``sglang.gpu_reserve_gb`` (``sizing.mem_fraction_for``).
+    """
+    check_extra_args(scfg.extra_args, mode)
+    return scfg.model_copy(update={"mem_fraction_static": launch_mem_fraction(scfg)})
 
 
 @contextlib.contextmanager
@@ -66,6 +81,11 @@ def target_off_gpu(model: torch.nn.Module, keep: Iterable[torch.nn.Module] = (),
         model.to(dev)
 
 
+def tconf_of(model):
+    """The text model's config of ``model`` (a multimodal config's ``text_config``)."""
+    return getattr(model.config, "text_config", model.config)
+
+
 def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[str, list[int]]], writer, *,
                    drafter_step: int, draft_path: str | None, out_dir: Path) -> int:
     """Roll out ``prompts`` through SGLang into ``writer`` (a ``shards.ShardWriter``); returns sequences written.
@@ -76,9 +96,10 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
     """
     from specforge_opd.models.drafter import drafter_layer_ids
     from specforge_opd.rollout.shards import written_sample_ids
+    from specforge_opd.sglang.contract import server_layer_ids
     from specforge_opd.sglang.native import native_rollout_async
     from specforge_opd.sglang.speculate import Drafter
-    from specforge_opd.sglang.verify_client import check_verify_settings, verify_rollout_to_shards
+    from specforge_opd.sglang.verify_client import check_verify_feature_size, check_verify_settings, verify_rollout_to_shards
 
     rc = cfg.rollout
     layer_ids = drafter_layer_ids(drafter)
@@ -88,8 +109,10 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
     mode = "verify" if rc.backend == "sglang_verify" else "native"
     if mode == "verify":
         check_verify_settings(rc.temperature, rc.teacher, cfg.training.feature_source)
+        # before a server starts (minutes at the paper's size): a prefill too large to travel as JSON
+        check_verify_feature_size(todo, len(server_layer_ids(layer_ids)) * int(tconf_of(bundle.model).hidden_size), cfg.sglang)
     model = bundle.model
-    tconf = getattr(model.config, "text_config", model.config)
+    tconf = tconf_of(model)
     keep = (model.get_input_embeddings(), model.get_output_embeddings()) if mode == "verify" else ()
     with target_off_gpu(model, keep, enabled=cfg.sglang.offload_target), endpoints_for(
         cfg, mode=mode, model_path=str(bundle.path), layer_ids=layer_ids, block_size=bs, draft_path=draft_path,

@@ -50,6 +50,30 @@ class HTTPClient:
         self.cfg = cfg
         self._session: Optional[aiohttp.ClientSession] = None
         self._restart_lock = asyncio.Lock()
+        #: servers whose handling of ``sampling_seed`` was checked (``check_seed``)
+        self._seed_checked: set[str] = set()
+
+    async def check_seed(self, server: int, body: dict) -> None:
+        """Warn once per server when ``body`` samples (temperature > 0) with a ``sampling_seed`` the server ignores.
+
+        SGLang 0.5.23 reads ``sampling_seed`` only with ``--enable-deterministic-inference``
+        (``SamplingBatchInfo.from_schedule_batch``); its ``/server_info`` reports the flag.
+        Without it, sampled responses are neither reproducible nor resumable.
+        """
+        sp = body.get("sampling_params") or {}
+        url = self.endpoints.url(server)
+        if sp.get("sampling_seed") is None or float(sp.get("temperature", 1.0)) <= 0 or url in self._seed_checked:
+            return
+        self._seed_checked.add(url)
+        try:
+            async with self._session.get(url + "/server_info", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
+                info = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            info = None
+        if not (isinstance(info, dict) and info.get("enable_deterministic_inference") is True):
+            log.warning("SGLang server %s ignores sampling_seed (SGLang reads it only with --enable-deterministic-inference): "
+                        "responses sampled at temperature %s are neither reproducible nor resumable; start the server "
+                        "with --enable-deterministic-inference", url, sp.get("temperature"))
 
     async def __aenter__(self) -> "HTTPClient":
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s))
@@ -70,6 +94,7 @@ class HTTPClient:
             ContractError: a 4xx answer or a body that is not JSON.
         """
         assert self._session is not None, "use `async with HTTPClient(...)`"
+        await self.check_seed(server, body)
         delay = self.cfg.backoff_s
         last = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -165,6 +190,34 @@ class HTTPTarget(PerSequenceTarget):
         )
 
 
+#: Bytes of JSON per feature float in a verify response (SGLang writes each float's repr; about 12-22 characters).
+JSON_BYTES_PER_FLOAT = 20
+
+
+def check_verify_feature_size(prompts: list[tuple[str, list[int]]], feature_dim: int, cfg: SGLangConfig) -> None:
+    """Refuse a verify-mode rollout whose prefill would carry more than ``sglang.verify_max_feature_floats`` floats.
+
+    A prefill returns the hidden states of every prompt position (the drafter's
+    context) as JSON lists: prompt length x ``feature_dim`` (captured layers x
+    hidden size, the server's width) floats. For Qwen3-8B, 5 layers and a
+    2048-token prompt that is 42M floats, about 0.8 GB of JSON per request.
+
+    Raises:
+        ValueError: names the longest prompt, the size, the field and native mode as the fix.
+    """
+    if not prompts or feature_dim <= 0:
+        return
+    sid, ids = max(prompts, key=lambda p: len(p[1]))
+    floats = len(ids) * int(feature_dim)
+    if floats > cfg.verify_max_feature_floats:
+        raise ValueError(
+            f"{sid}: a verify-mode prefill of its {len(ids)} prompt tokens returns {len(ids)} x {feature_dim} = "
+            f"{floats / 1e6:.1f}M feature floats as JSON (about {floats * JSON_BYTES_PER_FLOAT / 1e9:.1f} GB), over "
+            f"sglang.verify_max_feature_floats={cfg.verify_max_feature_floats}; use rollout.backend sglang_native with "
+            "training.feature_source target (the trainer recomputes the features), or raise the bound"
+        )
+
+
 async def verify_rollout_async(
     endpoints: Endpoints,
     drafter: Drafter,
@@ -191,6 +244,7 @@ async def verify_rollout_async(
         hidden = feature_dim // len(layer_ids)
         columns = feature_columns(layer_ids, hidden)
         server_dim = len(server_layer_ids(layer_ids)) * hidden
+    check_verify_feature_size(prompts, server_dim, sglang_cfg)
 
     async def one(client, i: int, sid: str, ids: list[int]) -> RolloutRecord:
         target = HTTPTarget(client, i, top_k=teacher_topk, feature_dim=server_dim, columns=columns)
@@ -242,7 +296,14 @@ async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tup
     budgets = [TokenBudget(p) if (token_cost is not None and p) else None for p in pools]
     slots = list(getattr(endpoints, "running_slots", None) or [None] * n)
     slot_sems = [asyncio.Semaphore(k) if (token_cost is not None and k) else None for k in slots]
-    if token_cost is not None:
+    if token_cost is not None and prompts:
+        from specforge_opd.sglang.sizing import request_concurrency
+
+        longest = max(token_cost(ids) for _sid, ids in prompts)
+        for j in range(n):
+            log.info("SGLang server %s: KV pool %s tokens, running slots %s, longest request %d tokens: %d requests at "
+                     "once", endpoints.url(j), pools[j], slots[j], longest,
+                     request_concurrency(pools[j], longest, slots[j], sglang_cfg.max_in_flight))
         for i, (sid, ids) in enumerate(prompts):
             b = budgets[i % n]
             if b is not None and token_cost(ids) > b.total:
