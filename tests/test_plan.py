@@ -52,6 +52,8 @@ def test_qwen3_opd_configs_plan_offline(size, capsys):
     assert plan.pool_size == 16000 and plan.epochs == 8
     assert plan.total_steps == 16000 * 8 // 64 and plan.warmup_steps == round(0.05 * plan.total_steps)
     assert "hub sources" in out and "total_steps" in out
+    # the SGLang server's KV pool and the rollouts it runs at once (sized from the GPU, not the laptop default)
+    assert "sglang: KV pool" in out and "rollouts at once per server" in out
     # native mode: the trainer recomputes features and teacher, so the spool holds tokens and log-probs only
     assert plan.est_spool_bytes_per_iteration < plan.spool_budget_bytes
 

@@ -172,6 +172,15 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
         print(f"    recompute {gib(mem['recompute_peak']):>10}  = target + drafter state + sequence + KV cache "
               f"{gib(mem['recompute_kv_cache'])} + activations {gib(mem['recompute_activations'])} + mask "
               f"{gib(mem['recompute_mask'])} + lm_head chunk {gib(mem['recompute_lm_head'])}")
+    if cfg.rollout.backend != "embedded":
+        from specforge_opd.sglang.sizing import plan_line
+
+        # the server starts beside the trainer's drafter state (the target is offloaded while it runs)
+        on_gpu = torch.cuda.is_available()
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else 80.0
+        line = plan_line(cfg, tconf, cfg.data.max_prompt_tokens, free_gib=total - mem["drafter_state"] / 2**30,
+                         weights_gib=mem["target_weights"] / 2**30)
+        print(f"  {line}" + ("" if on_gpu else " (planned for an 80 GiB GPU)"))
     return plan
 
 
