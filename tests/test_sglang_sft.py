@@ -40,3 +40,17 @@ def test_sglang_generate_timeout_grows_with_max_new_tokens():
                             timeout_s=0.2, timeout_per_token_s=0.0, max_retries=0)
     with pytest.raises(SFTError, match="sglang.urls is empty"):
         sglang_generate([], PROMPTS, max_new_tokens=4, stop_token_ids=[], temperature=0.0, seed=0, timeout_s=1)
+
+
+def test_sglang_generate_seeds_each_prompt_by_its_sample_id():
+    """Each request's sampling_seed comes from (seed, sample id), as the embedded backend seeds each row: two
+    samples of one prompt do not repeat one random stream, and a sample draws the same tokens in any order."""
+    from specforge_opd.rollout.step import sample_seed
+
+    target = make_tiny_target()
+    kw = dict(max_new_tokens=8, stop_token_ids=[1], temperature=1.0, seed=3, timeout_s=30)
+    with ThreadedStandin(make_app(StandinBackend(target, deterministic=True))) as srv:
+        a, b = sglang_generate([srv.url], [PROMPTS[0], PROMPTS[0]], sample_ids=["a", "b"], **kw)
+        (b2,) = sglang_generate([srv.url], [PROMPTS[0]], sample_ids=["b"], **kw)
+    assert a != b and b == b2
+    assert sample_seed(3, "a", bits=31) < 2**31 and sample_seed(3, "a", bits=31) != sample_seed(3, "b", bits=31)

@@ -71,7 +71,8 @@ def hf_generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_to
 
 def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
                     temperature: float, seed: int, timeout_s: float, max_in_flight: int = 32,
-                    timeout_per_token_s: float = 0.05, max_retries: int = 2) -> list[list[int]]:
+                    timeout_per_token_s: float = 0.05, max_retries: int = 2,
+                    sample_ids: Optional[list[str]] = None) -> list[list[int]]:
     """Target decoding through SGLang's native ``/generate`` (``input_ids`` in, ``output_ids`` out).
 
     One request per prompt, at most ``max_in_flight`` in flight at once (SGLang
@@ -79,7 +80,10 @@ def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens
     A request may take ``timeout_s + timeout_per_token_s * max_new_tokens``
     seconds; a transient failure (connection error, timeout, HTTP 5xx/429) is
     retried ``max_retries`` times with backoff, so one slow prompt no longer
-    fails the whole set. Returns the new tokens of each prompt, in prompt order.
+    fails the whole set. Each request's ``sampling_seed`` is ``step.sample_seed(seed,
+    sample id)`` (31 bits; ids default to the prompt index), as the embedded backend seeds
+    each row, so prompts do not share one random stream. Returns the new tokens of each
+    prompt, in prompt order.
 
     Raises:
         SFTError: no URL configured, a server unreachable after the retries, or a
@@ -97,11 +101,13 @@ def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens
     cfg = SGLangConfig(urls=list(urls), request_timeout_s=timeout_s, timeout_per_token_s=timeout_per_token_s,
                        max_in_flight=max_in_flight, max_retries=max_retries)
     timeout = request_timeout_s(cfg, max_new_tokens)
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                "stop_token_ids": list(stop_token_ids), "sampling_seed": seed}
+    from specforge_opd.rollout.step import sample_seed
 
-    async def one(client, i: int, _sid: str, ids: list[int]) -> list[int]:
-        reply = await client.post(i, "/generate", {"input_ids": ids, "sampling_params": sampling}, timeout_s=timeout)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": list(stop_token_ids)}
+
+    async def one(client, i: int, sid: str, ids: list[int]) -> list[int]:
+        params = dict(sampling, sampling_seed=sample_seed(seed, sid, bits=31))
+        reply = await client.post(i, "/generate", {"input_ids": ids, "sampling_params": params}, timeout_s=timeout)
         if isinstance(reply, list) and len(reply) == 1:
             reply = reply[0]
         if not isinstance(reply, dict) or "output_ids" not in reply:
@@ -110,7 +116,8 @@ def sglang_generate(urls: list[str], prompts: list[list[int]], *, max_new_tokens
         return [int(t) for t in reply["output_ids"]]
 
     try:
-        return asyncio.run(for_each_prompt(Endpoints(list(urls)), cfg, [(str(i), list(p)) for i, p in enumerate(prompts)], one))
+        ids = [str(i) for i in range(len(prompts))] if sample_ids is None else [str(s) for s in sample_ids]
+        return asyncio.run(for_each_prompt(Endpoints(list(urls)), cfg, [(s, list(p)) for s, p in zip(ids, prompts)], one))
     except (ServerError, ContractError) as e:
         raise SFTError(f"SGLang /generate failed: {e}") from e
 
@@ -127,7 +134,7 @@ def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, 
     kw = dict(max_new_tokens=cfg.sft.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids),
               temperature=cfg.sft.temperature, seed=seed)
     if cfg.rollout.backend != "embedded":
-        return sglang_generate(cfg.sglang.urls, prompts, timeout_s=cfg.sglang.request_timeout_s, **kw)
+        return sglang_generate(cfg.sglang.urls, prompts, timeout_s=cfg.sglang.request_timeout_s, sample_ids=sample_ids, **kw)
     try:
         from specforge_opd.rollout.engine import autoregressive_generate
     except ImportError:

@@ -52,12 +52,18 @@ TEACHER_FORMS = ("full", "topk", "token")
 # sampling (DESIGN.md, sampling)
 
 
-def row_generator(seed: int, sample_id: str, device="cpu") -> torch.Generator:
-    """A ``torch.Generator`` seeded from (seed, sample_id), so a row samples the same
-    tokens whatever batch it is decoded in."""
+def sample_seed(seed: int, sample_id: str, bits: int = 63) -> int:
+    """The seed of one sample: ``bits`` bits of sha256("seed:sample_id"), so a sample draws the same
+    tokens whatever batch, order or server decodes it (SGLang's ``sampling_seed`` takes 31 bits)."""
     h = hashlib.sha256(f"{int(seed)}:{sample_id}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << bits) - 1)
+
+
+def row_generator(seed: int, sample_id: str, device="cpu") -> torch.Generator:
+    """A ``torch.Generator`` seeded from (seed, sample_id) (``sample_seed``), so a row samples the same
+    tokens whatever batch it is decoded in."""
     g = torch.Generator(device=device)
-    g.manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
+    g.manual_seed(sample_seed(seed, sample_id))
     return g
 
 
