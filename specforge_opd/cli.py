@@ -13,6 +13,7 @@ import sys
 from typing import Callable, Optional
 
 from specforge_opd.config import ConfigError, ExperimentConfig, load_config
+from specforge_opd.errors import USER_ERROR_EXIT, UserError, is_disk_full, one_line
 
 #: verb -> "module:function" (function(argv: list[str]) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,7 +29,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def experiment_parser(prog: str, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser with the shared ``-c FILE``, overrides and ``--out`` shorthand."""
+    """An argparse parser with the shared ``-c FILE``, overrides and ``--out`` shorthand.
+
+    ``parse_experiment`` parses it with ``parse_intermixed_args``, so overrides may come
+    after flags (``--dry-run a.b=1``).
+    """
     p = argparse.ArgumentParser(prog=f"specforge-opd {prog}", description=description)
     p.add_argument("-c", "--config", help="experiment YAML (configs/<exp>/<stage>.yaml)")
     p.add_argument("--out", help="shorthand for output.dir; wins over YAML and overrides")
@@ -44,15 +49,15 @@ def parse_experiment(
     Every verb comes through here, so this is where a process's torch threads are set
     (``target.apply_threads(target.threads)``).
     """
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     flags = {"output.dir": args.out}
     if extra_flags is not None:
         flags.update(extra_flags(args))
     try:
         cfg = load_config(args.config, args.overrides, flags)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT)
     from specforge_opd.models.target import apply_threads
 
     apply_threads(cfg.target.threads)
@@ -68,6 +73,12 @@ def config_cmd(argv: list[str]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run one verb; returns its exit code.
+
+    A ``UserError`` from any verb (``errors.UserError``: bad config, path, file, a full
+    disk) ends in one line on stderr and exit code 2; so does any other write that failed
+    for a full disk. Any other exception keeps its traceback. Ctrl-C exits with 130.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: specforge-opd VERB [-c CONFIG] [section.field=value ...]\n\nverbs:")
@@ -86,9 +97,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     fn = getattr(importlib.import_module(mod_name), fn_name)
     try:
         return int(fn(rest) or 0)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        # a writer this package does not wrap (a library's own file): still one line
+        where = getattr(e, "filename", None) or "a file under output.dir"
+        print(f"error: {where}: no space left on device ({one_line(str(e))[:200]}); free space "
+              f"(or set output.dir on a larger disk) and rerun the same command", file=sys.stderr)
+        return USER_ERROR_EXIT
     except KeyboardInterrupt:
         print("interrupted; finished work is kept and the same command resumes", file=sys.stderr)
         return 130

@@ -20,8 +20,10 @@ from typing import Any, List, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specforge_opd.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config file, key or value is wrong; the message names it and the fix."""
 
 

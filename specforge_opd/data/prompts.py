@@ -39,6 +39,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from specforge_opd.atomic import atomic_write_text
 from specforge_opd.data.locations import AssetError, cache_dir, package_file
+from specforge_opd.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ OVERLAP_NGRAM = 13
 MIN_SHORT_MATCH_WORDS = 6
 
 
-class PromptsError(ValueError):
+class PromptsError(UserError, ValueError):
     """A prompt source is missing, unknown or empty; the message names the setting and the fix."""
 
 

@@ -30,6 +30,8 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge_opd.atomic import private_dir_to_umask
+from specforge_opd.errors import DiskFullError, UserError, is_disk_full
 from specforge_opd.models.adapter import DFlashDraftModel, Qwen3Config, build_target_layer_ids
 
 #: Fields copied from the target config into a derived drafter config.
@@ -71,7 +73,7 @@ _UNSUPPORTED_DFLASH_KEYS = {
 }
 
 
-class DrafterError(ValueError):
+class DrafterError(UserError, ValueError):
     """A drafter does not load or does not fit the target; the message says what and how to fix it."""
 
 
@@ -203,8 +205,14 @@ def dtype_name(dtype) -> str:
 
 
 def _atomic_dir(out_dir: Path):
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+    """A fresh sibling of ``out_dir`` to build it in, with ``mkdir``'s mode (not mkdtemp's 0700)."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return private_dir_to_umask(Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent)))
+    except OSError as e:
+        if is_disk_full(e):
+            raise DiskFullError(out_dir) from e
+        raise
 
 
 def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: Optional[dict] = None, *,
@@ -221,8 +229,12 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
             target's dtype (``target.dtype``: bfloat16 for Qwen3), which is what SGLang
             then serves the drafter in. None: the model's own parameter dtype.
 
+    Files and directories get the process umask's modes (0644/0755 under umask 0022).
+
     Raises:
         DrafterError: ``dtype`` is not float32, bfloat16 or float16.
+        DiskFullError: the disk filled up; the partial directory is removed and an
+            existing ``out_dir`` is untouched.
     """
     name = dtype_name(dtype if dtype is not None else next(model.parameters()).dtype)
     out = Path(out_dir)
@@ -249,8 +261,10 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, DiskFullError) and is_disk_full(e):
+            raise DiskFullError(out, f"exporting the drafter: {str(e).splitlines()[0][:120]}") from e
         raise
     return out
 

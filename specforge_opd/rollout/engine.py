@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from specforge_opd.config import RolloutConfig
+from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
 from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord
@@ -44,7 +45,7 @@ from specforge_opd.rollout.step import (
 log = logging.getLogger(__name__)
 
 
-class RolloutError(ValueError):
+class RolloutError(UserError, ValueError):
     """Bad rollout input (empty prompt, prompt too long, drafter/target mismatch); the message says the fix."""
 
 

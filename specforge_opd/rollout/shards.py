@@ -36,10 +36,8 @@ and whose safetensors metadata carries ``schema_version``, ``meta`` (JSON) and
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
-import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -49,6 +47,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from specforge_opd.atomic import atomic_write_bytes
+from specforge_opd.errors import DiskFullError, UserError, is_disk_full
 from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
 
 SCHEMA_VERSION = 1
@@ -59,7 +58,7 @@ COMPAT_KEYS = ("block_size", "target_layer_ids", "target_identity", "mask_token_
 _TEACHER = ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob")
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A shard or shard directory is corrupt, of another schema, or incompatible; the message names the file."""
 
 
@@ -179,8 +178,9 @@ class ShardWriter:
 
         Raises:
             ShardError: inconsistent records.
-            OSError: the disk is full or not writable: the partial shard is removed and the
-                manifest (and every earlier shard) is unchanged; the message says so.
+            DiskFullError: the disk is full (an ``OSError``, errno ENOSPC); OSError: not
+                writable. Either way the partial shard is removed and the manifest (and every
+                earlier shard) is unchanged; the message says so.
         """
         tensors = records_to_tensors(records)
         idx = len(self.manifest["shards"])
@@ -216,8 +216,9 @@ class ShardWriter:
         except OSError as e:
             if path.exists() and not any(s["file"] == name for s in self.manifest["shards"]):
                 path.unlink()
-            hint = " (disk full)" if e.errno == errno.ENOSPC else ""
-            raise OSError(e.errno, f"writing shard {path} failed{hint}: {e.strerror or e}; the partial shard was removed, "
+            if is_disk_full(e):
+                raise DiskFullError(path, f"the partial shard was removed, earlier shards in {self.dir} are intact") from e
+            raise OSError(e.errno, f"writing shard {path} failed: {e.strerror or e}; the partial shard was removed, "
                                    f"earlier shards in {self.dir} are intact") from e
         self.manifest = new_manifest
         return path
@@ -459,11 +460,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
-    try:
-        s = inspect_dir(args.dir)
-    except ShardError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    s = inspect_dir(args.dir)  # a ShardError is reported by cli.main (one line, exit 2)
     if args.json:
         print(json.dumps(s, indent=2, sort_keys=True))
         return 0

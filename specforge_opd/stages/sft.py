@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,17 +422,11 @@ def dry_run(cfg: ExperimentConfig) -> dict:
 def cli(argv: list[str]) -> int:
     """``specforge-opd sft -c CFG [section.field=value ...] [--dry-run] [--out DIR]``."""
     from specforge_opd.cli import experiment_parser, parse_experiment
-    from specforge_opd.models.drafter import DrafterError
-
     parser = experiment_parser("sft", "the SFT stage on SpecForge (responses, features, train, export)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, draft config and estimates; load nothing")
     args, cfg = parse_experiment(parser, argv)
     if args.dry_run:
         dry_run(cfg)
         return 0
-    try:
-        run_sft(cfg)
-    except (SFTError, DrafterError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    run_sft(cfg)  # a UserError (SFTError, DrafterError, ...) is reported by cli.main
     return 0

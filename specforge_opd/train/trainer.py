@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import optimizer_and_scheduler
 from specforge_opd.models.drafter import (
     check_compatible,
@@ -71,7 +72,7 @@ from specforge_opd.train.losses import SlotPlan, linear_kl_loss, plan_slots, slo
 from specforge_opd.train.replay import block_groups, recompute_from_target, replay_hidden, slot_teacher
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """Too many consecutive steps with a NaN/inf loss or gradient; a checkpoint was saved first."""
 
 
