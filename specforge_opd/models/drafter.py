@@ -157,8 +157,8 @@ def drafter_mask_token_id(model_or_config) -> int:
     return int(cfg.dflash_config["mask_token_id"])
 
 
-def check_compatible(draft_config, target_config, *, expected_mask_token_id: Optional[int] = None) -> None:
-    """Raise ``DrafterError`` naming every mismatch between a drafter and the target.
+def check_compatible(draft_config, target_config, *, expected_mask_token_id: Optional[int] = None, where=None) -> None:
+    """Raise ``DrafterError`` naming every mismatch between a drafter and the target (and ``where``, the drafter's path).
 
     Checked: hidden size, number of target layers (and that every layer id
     exists), vocabulary size, and the mask token (inside the vocabulary, and
@@ -188,7 +188,9 @@ def check_compatible(draft_config, target_config, *, expected_mask_token_id: Opt
     elif expected_mask_token_id is not None and mask != expected_mask_token_id:
         problems.append(f"mask_token_id {mask} != configured draft.mask_token_id {expected_mask_token_id}")
     if problems:
-        raise DrafterError("drafter does not fit the target: " + "; ".join(problems))
+        name = f"drafter {where}" if where is not None else "drafter"
+        raise DrafterError(f"{name} does not fit the target: " + "; ".join(problems)
+                           + "; use a drafter trained for this target (draft.path), or set target.path to its target")
 
 
 def dtype_name(dtype) -> str:
@@ -453,7 +455,7 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
             raise DrafterError(f"drafter {p} has no config.json, so it is read as a SpecForge checkpoint, "
                                "whose architecture is derived from the target: pass the target's config")
         model = load_specforge_checkpoint(p, target_config, attention_backend)
-        check_compatible(model.config, target_config, expected_mask_token_id=expected_mask_token_id)
+        check_compatible(model.config, target_config, expected_mask_token_id=expected_mask_token_id, where=p)
         return model
     config = load_draft_config(p)
     have = drafter_dtype(config)
@@ -461,7 +463,7 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
         raise DrafterError(f"drafter {p}: config.json dtype={have}, but target.dtype={target_dtype}; set "
                            f"target.dtype={have} (the dtype it was exported for), or re-export it with save_drafter(..., dtype={target_dtype!r})")
     if target_config is not None:
-        check_compatible(config, target_config, expected_mask_token_id=expected_mask_token_id)
+        check_compatible(config, target_config, expected_mask_token_id=expected_mask_token_id, where=p)
     model = build_drafter(config, attention_backend)
     files = sorted(p.glob("*.safetensors"))
     if not files:

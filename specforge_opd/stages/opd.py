@@ -41,6 +41,7 @@ from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
 from specforge_opd.rollout.records import accepted_histogram, tau_of
+from specforge_opd.run_fingerprint import check_config_unchanged
 from specforge_opd.stages.plan import (
     OPDPlan,
     PlanError,
@@ -257,7 +258,7 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
 
 
 def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[str, list[int]]]] = None,
-            fault: Optional[str] = None) -> Path:
+            fault: Optional[str] = None, allow_config_change: bool = False) -> Path:
     """Run (or resume) the whole OPD stage; returns the final drafter directory.
 
     Args:
@@ -266,8 +267,11 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             with the target's chat template, as SFT capture and evaluation render them).
         fault: tests only: ``"rollout:N"`` raises after N rollout shards of the first
             iteration run now; ``"train:N"`` after N optimizer steps.
+        allow_config_change: resume although a field that changes the result differs from
+            the run's start (``run_fingerprint``); the change is recorded.
     Raises:
         PlanError: the plan cannot run (spool budget, schedule).
+        ConfigError: a resume with a changed config (``run_fingerprint.check_config_unchanged``).
         and whatever the rollout, shards and trainer raise on bad input.
     """
     from specforge_opd.data.chat import render_prompt
@@ -286,6 +290,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     rank, world = _rank_world()
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_config_unchanged(cfg, out, "opd", allow_change=allow_config_change, write=rank == 0)
     bundle = target if target is not None else load_target(cfg.target)
     tok = bundle.tokenizer
     if prompts is None:
@@ -542,11 +547,16 @@ def cli(argv: list[str]) -> int:
     p = experiment_parser("opd", "the iterated OPD stage: rollout -> shards -> distill -> export, repeated")
     p.add_argument("--dry-run", action="store_true", help="print the plan (schedule, spool, drafter) and exit")
     p.add_argument("--drafter", help="shorthand for draft.path (initial drafter)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
     args, cfg = parse_experiment(p, argv, lambda a: {"draft.path": a.drafter})
     if args.dry_run:
         dry_run(cfg)
         return 0
-    final = run_opd(cfg)
+    from specforge_opd.stages.preflight import check_before_target
+
+    check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
+    final = run_opd(cfg, allow_config_change=args.allow_config_change)
     if _rank_world()[0] == 0:
         print(f"OPD done: final drafter {final}; report {Path(cfg.output.dir) / 'report.md'}")
     return 0

@@ -428,5 +428,9 @@ def cli(argv: list[str]) -> int:
     if args.dry_run:
         dry_run(cfg)
         return 0
+    from specforge_opd.stages.preflight import check_prompt_sources, check_writable
+
+    check_writable(cfg.output.dir)  # before the target loads
+    check_prompt_sources(cfg)
     run_sft(cfg)  # a UserError (SFTError, DrafterError, ...) is reported by cli.main
     return 0

@@ -701,7 +701,18 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--shards", action="append", required=True, help="shard directory (repeat for several)")
     p.add_argument("--drafter", help="initial drafter, an HF DFlash directory (default draft.path)")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints under --out")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
     args, cfg = parse_experiment(p, argv)
+    from specforge_opd.run_fingerprint import FILE, check_config_unchanged
+    from specforge_opd.stages.preflight import check_before_target
+
+    check_before_target(cfg, drafter=args.drafter, prompts=False, shard_dirs=args.shards)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if args.no_resume and rank0:
+        (Path(cfg.output.dir) / FILE).unlink(missing_ok=True)  # a fresh start records its own config
+    check_config_unchanged(cfg, cfg.output.dir, "distill", allow_change=args.allow_config_change or args.no_resume,
+                           write=rank0)
     res = distill(cfg, args.shards, args.drafter, None, resume=not args.no_resume)
     if int(os.environ.get("RANK", "0")) == 0:
         if res.already_complete:
