@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
+import warnings
 from typing import Callable, Optional
 
-from specforge_opd.config import ConfigError, ExperimentConfig, load_config
+from specforge_opd.config import ExperimentConfig, load_config
 from specforge_opd.errors import USER_ERROR_EXIT, UserError, is_disk_full, one_line
 
 #: verb -> "module:function" (function(argv: list[str]) -> int)
@@ -44,20 +46,19 @@ def experiment_parser(prog: str, description: str = "") -> argparse.ArgumentPars
 def parse_experiment(
     parser: argparse.ArgumentParser, argv: list[str], extra_flags: Optional[Callable] = None
 ) -> tuple[argparse.Namespace, ExperimentConfig]:
-    """Parse argv with ``parser`` and load the config; exits with one clear line on a config error.
+    """Parse argv with ``parser`` (overrides may follow flags) and load the config.
 
     Every verb comes through here, so this is where a process's torch threads are set
     (``target.apply_threads(target.threads)``).
+
+    Raises:
+        ConfigError: a bad file, key or value (``main`` prints it as one line, exit code 2).
     """
     args = parser.parse_intermixed_args(argv)
     flags = {"output.dir": args.out}
     if extra_flags is not None:
         flags.update(extra_flags(args))
-    try:
-        cfg = load_config(args.config, args.overrides, flags)
-    except ConfigError as e:
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
-        raise SystemExit(USER_ERROR_EXIT)
+    cfg = load_config(args.config, args.overrides, flags)  # ConfigError: one line from main
     from specforge_opd.models.target import apply_threads
 
     apply_threads(cfg.target.threads)
@@ -70,6 +71,31 @@ def config_cmd(argv: list[str]) -> int:
     _, cfg = parse_experiment(experiment_parser("config", "print the resolved config"), argv)
     print(dump_config(cfg), end="")
     return 0
+
+
+#: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
+#: fallback (the drafter uses sdpa/flex here), DCP's single-process note, the LR scheduler's
+#: note on ``get_lr`` inside ``step``.
+_NOISE = (
+    "flash_attn is not found",
+    "torch.distributed is disabled, unavailable or uninitialized",
+    "To get the last learning rate computed by the scheduler",
+)
+
+
+class _DropTokenLengthNote(logging.Filter):
+    """transformers' "Token indices sequence length is longer than ..." note: prompts over the tokenizer's
+    nominal length are measured against ``target.max_context`` and skipped or refused with their own message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token indices sequence length" not in record.getMessage()
+
+
+def quiet_known_noise() -> None:
+    """Silence the warnings that every run printed (``_NOISE``); any other warning still shows."""
+    for text in _NOISE:
+        warnings.filterwarnings("ignore", message=f".*{text}")
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_DropTokenLengthNote())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -93,6 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         hint = f" (did you mean `{close[0]}`?)" if close else ""
         print(f"error: unknown verb `{verb}`{hint}; known: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    quiet_known_noise()
     mod_name, fn_name = COMMANDS[verb][0].split(":")
     fn = getattr(importlib.import_module(mod_name), fn_name)
     try:

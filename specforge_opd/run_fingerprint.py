@@ -39,7 +39,8 @@ _IGNORED = (
 )
 #: Extra prefixes ignored per verb: distill trains on given shards, so how they were made is theirs.
 _IGNORED_BY_VERB = {
-    "opd": (),
+    # opd_state.json records the initial drafter and refuses another with its own message
+    "opd": ("draft.path",),
     "distill": ("data.", "opd.", "rollout.backend", "rollout.batch_size", "rollout.max_new_tokens", "rollout.temperature",
                 "rollout.top_p", "rollout.top_k", "rollout.anchors", "rollout.store_features",
                 "rollout.sequences_per_shard", "rollout.seed"),
@@ -77,13 +78,14 @@ def _show(v: Any) -> str:
 
 
 def check_config_unchanged(cfg: ExperimentConfig, out_dir, verb: str, *, allow_change: bool = False,
-                           write: bool = True, log=None) -> Optional[dict]:
+                           write: bool = True, log=None, extra: Optional[dict] = None) -> Optional[dict]:
     """Compare ``cfg`` with the fingerprint in ``out_dir`` (record it when there is none).
 
     Args:
         verb: ``opd`` or ``distill``.
         allow_change: continue despite a difference (recorded; one warning line to ``log``).
         write: write the file (rank 0 only, under torchrun).
+        extra: more result-changing inputs that are not config fields (e.g. ``--drafter``), JSON values.
     Returns:
         The differences ``{field: (old, new)}`` that were allowed, or None when nothing changed.
     Raises:
@@ -92,7 +94,7 @@ def check_config_unchanged(cfg: ExperimentConfig, out_dir, verb: str, *, allow_c
     """
     out = Path(out_dir)
     path = out / FILE
-    now = result_fields(cfg, verb)
+    now = dict(result_fields(cfg, verb), **(extra or {}))
     old = json.loads(path.read_text()) if path.is_file() else None
     if old is None:
         if write:

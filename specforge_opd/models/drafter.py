@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge_opd.atomic import private_dir_to_umask
-from specforge_opd.errors import DiskFullError, UserError, is_disk_full
+from specforge_opd.errors import DiskFullError, UserError, is_disk_full, process_umask
 from specforge_opd.models.adapter import DFlashDraftModel, Qwen3Config, build_target_layer_ids
 
 #: Fields copied from the target config into a derived drafter config.
@@ -255,6 +255,8 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if metadata is not None:
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True, default=str))
+        for f in tmp.iterdir():  # safetensors' writer makes its file owner-only
+            os.chmod(f, 0o666 & ~process_umask())
         if out.exists():
             old = out.with_name(out.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

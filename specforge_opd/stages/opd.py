@@ -37,8 +37,9 @@ from typing import Optional
 
 import torch
 
-from specforge_opd.atomic import atomic_write_json
+from specforge_opd.atomic import atomic_write_json, atomic_write_text
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.errors import DiskFullError, is_disk_full
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
 from specforge_opd.rollout.records import accepted_histogram, tau_of
 from specforge_opd.run_fingerprint import check_config_unchanged
@@ -143,9 +144,11 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
         pool_note = f"hub sources {remote} not loaded by a dry run; planning with the configured {pool_size} prompts"
     else:
         pool, stats = _pool(cfg)
-        pool_size, pool_note = len(pool), f"{stats}"
+        pool_size, pool_note = len(pool), stats.summary()
     plan = make_plan(cfg, pool_size, hidden, n_captured)
-    print(f"OPD plan for {cfg.name} (target hidden {hidden}, {n_target} layers; drafter {cfg.draft.num_hidden_layers} layers, block_size {cfg.draft.block_size})")
+    layers = lambda n: f"{n} layer" + ("s" if n != 1 else "")  # noqa: E731
+    print(f"OPD plan for {cfg.name} (target hidden {hidden}, {layers(n_target)}; drafter {layers(cfg.draft.num_hidden_layers)}, "
+          f"block_size {cfg.draft.block_size})")
     print(f"  prompt pool: {pool_size} ({pool_note})")
     for k, v in plan.as_dict().items():
         if "bytes" in k:
@@ -159,12 +162,14 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
     print(f"  initial drafter: {cfg.draft.path}; output: {cfg.output.dir}")
     world = planned_world_size()
     sched = per_rank_schedule(plan, world)
-    print(f"  per rank ({world} ranks): {sched['rollout_prompts_per_iteration']} rollout prompts per iteration, "
+    print(f"  per rank ({world} rank{'s' if world != 1 else ''}): {sched['rollout_prompts_per_iteration']} rollout prompts per iteration, "
           f"{sched['sequences_per_step']} sequences per optimizer step, {sched['total_steps']} steps "
           f"({sched['steps_per_iteration']} per iteration)")
     mem = estimate_rank_memory(cfg, tconf, world)
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-    print(f"  peak GPU memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
+    from specforge_opd.precision import uses_cuda
+
+    print(f"  peak {'GPU' if uses_cuda(cfg.target.device) else 'CPU'} memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
           f"{mem['blocks_per_forward']} per forward):")
     print(f"    trainer   {gib(mem['trainer_peak']):>10}  = target {gib(mem['target_weights'])} + drafter state "
           f"{gib(mem['drafter_state'])} + sequence {gib(mem['sequence_inputs'])} + replay activations "
@@ -253,6 +258,47 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     }
 
 
+def _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step: int, it: int) -> dict:
+    """The shard meta of iteration ``it``'s rollout (``shards`` module docstring)."""
+    from specforge_opd.models.drafter import drafter_layer_ids, drafter_mask_token_id
+
+    return {
+        "target_identity": bundle.identity, "drafter_identity": str(drafter_dir), "drafter_step": drafter_step,
+        "block_size": int(drafter.block_size), "target_layer_ids": drafter_layer_ids(drafter),
+        "mask_token_id": drafter_mask_token_id(drafter), "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+        "top_k": cfg.rollout.top_k, "seed": cfg.rollout.seed + it, "teacher": cfg.rollout.teacher,
+        "anchors": cfg.rollout.anchors, "features": cfg.rollout.store_features, "thinking": cfg.target.thinking,
+        "iteration": it, "target_dtype": cfg.target.dtype,
+    }
+
+
+def _final_rollout(cfg, bundle, prompts, plan: OPDPlan, drafter_dir, spool_root: Path) -> dict:
+    """The final drafter's on-policy tau, on the first iteration's prompts with its seed: the prompts the
+    initial drafter's tau was measured on, so the two compare directly. Rank 0 rolls them all out;
+    the shards go to ``<spool>/final`` (deleted unless ``opd.keep_shards``).
+
+    Returns:
+        ``{"tau", "sequences", "drafter"}``.
+    """
+    from specforge_opd.models.drafter import drafter_mask_token_id, load_any_drafter, read_drafter_metadata
+    from specforge_opd.rollout.engine import SpeculativeEngine
+
+    drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
+    step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+    mine = [(f"{prompts[i][0]}#g{j}", prompts[i][1]) for j, i in enumerate(iteration_prompt_indices(plan, 0, cfg.data.seed))]
+    engine = SpeculativeEngine(
+        bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
+        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
+    )
+    shard_dir = spool_root / "final"
+    print(f"OPD: measuring the final drafter's tau on iteration 1's {len(mine)} prompts", file=sys.stderr)
+    ro = rollout_phase(cfg, engine, bundle, mine, shard_dir, _rollout_meta(cfg, bundle, drafter, drafter_dir, step, 0), step,
+                       drafter_dir=drafter_dir)
+    if not cfg.opd.keep_shards:
+        shutil.rmtree(shard_dir, ignore_errors=True)
+    return {"tau": ro["tau"], "sequences": ro["sequences"], "drafter": str(drafter_dir)}
+
+
 # ---------------------------------------------------------------------------
 # the loop
 
@@ -277,7 +323,6 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     from specforge_opd.data.chat import render_prompt
     from specforge_opd.models.drafter import (
         check_target_dtype,
-        drafter_layer_ids,
         drafter_mask_token_id,
         load_any_drafter,
         read_drafter_metadata,
@@ -295,6 +340,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     tok = bundle.tokenizer
     if prompts is None:
         pool, pool_stats = _pool(cfg, tokenizer=tok)
+        pool_stats = pool_stats.summary()
         # Rendered once: the same chat rendering as SFT capture and evaluation.
         prompts = [(str(p.id), tok(render_prompt(tok, p.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt),
                                    add_special_tokens=False)["input_ids"]) for p in pool]
@@ -379,14 +425,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
             max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
         )
-        meta = {
-            "target_identity": bundle.identity, "drafter_identity": str(drafter_dir), "drafter_step": drafter_step,
-            "block_size": int(drafter.block_size), "target_layer_ids": drafter_layer_ids(drafter),
-            "mask_token_id": drafter_mask_token_id(drafter), "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-            "top_k": cfg.rollout.top_k, "seed": cfg.rollout.seed + it, "teacher": cfg.rollout.teacher,
-            "anchors": cfg.rollout.anchors, "features": cfg.rollout.store_features, "thinking": cfg.target.thinking,
-            "iteration": it, "target_dtype": cfg.target.dtype,
-        }
+        meta = _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step, it)
         rcfg = cfg.model_copy(deep=True)
         rcfg.rollout.seed = cfg.rollout.seed + it
         ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir,
@@ -427,7 +466,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             "rollout_histogram": ro["histogram"],
             "rollout_tokens_per_s": ro["tokens_per_s"],
             "rollout_seconds": ro["seconds"],
-            "train_steps": res.steps_run,
+            "train_steps": res.step,  # the iteration's steps, those of earlier (killed) invocations included
             "train_seconds": train_seconds,
             "train_positions_per_s": res.last_metrics.get("positions_per_s"),
             "loss": res.last_metrics.get("loss"),
@@ -448,8 +487,9 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
                     if isinstance(v, (int, float)) and v is not None:
                         tb.add_scalar(f"opd/{k}", v, it)
                 tb.flush()
+            speed = f"{ro['tokens_per_s']:.1f} tok/s" if ro["tokens_per_s"] else "reused from the spool"
             print(f"[iter {it + 1}/{plan.iterations}] rollout tau={ro['tau']:.3f} ({ro['sequences']} seq, "
-                  f"{ro['tokens_per_s'] or 0:.1f} tok/s) | train {res.steps_run} steps, loss={row['loss']} "
+                  f"{speed}) | train {res.step} steps, loss={row['loss']} "
                   f"L_acc={row['L_acc']} L_rej={row['L_rej']} | spool {spool_bytes / 2**20:.1f} MiB", file=sys.stderr)
             if not cfg.opd.keep_shards:
                 shutil.rmtree(spool_root / f"iter_{it:03d}", ignore_errors=True)
@@ -464,15 +504,24 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             state = json.loads(state_path.read_text())
 
     final = out / "final"
+    if rank == 0 and state["iterations_done"] == plan.iterations and "final_rollout" not in state:
+        state["final_rollout"] = _final_rollout(cfg, bundle, prompts, plan, state["drafter"], spool_root)
+        atomic_write_json(state_path, state)
     if rank == 0:
         if state["iterations_done"] == 0:
             raise PlanError("no OPD iteration ran")
         tmp = out / ".final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(state["drafter"], tmp)
+        try:
+            shutil.copytree(state["drafter"], tmp)  # keeps the export's modes (0644/0755 under umask 0022)
+        except (OSError, shutil.Error) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(e) or "No space left" in str(e):
+                raise DiskFullError(final, f"copying {state['drafter']}") from e
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        write_report(out)
+        write_report(out, final_rollout=state.get("final_rollout"))
         if tb is not None:
             tb.close()
     return final
@@ -497,20 +546,38 @@ def _tensorboard(cfg, out: Path):
     return SummaryWriter(str(out / "tensorboard" / "opd"))
 
 
-def write_report(out: Path) -> Path:
-    """``report.md`` and ``tau_per_iteration.png`` from ``opd_metrics.jsonl``."""
+def write_report(out: Path, final_rollout: Optional[dict] = None) -> Path:
+    """``report.md`` and ``tau_per_iteration.png`` from ``opd_metrics.jsonl``.
+
+    The plot: the on-policy rollout tau of the drafter entering each iteration (integer
+    ticks, y from 1.0, the tau of no speculation), the start (iteration 1, the initial
+    drafter) and, with ``final_rollout`` (``_final_rollout``), the final drafter on the
+    same prompts as reference lines; the sequences per point in the legend.
+    """
     rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines() if l.strip()]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["iteration"] + 1 for r in rows], [r["rollout_tau"] for r in rows], marker="o")
+    xs, taus = [r["iteration"] + 1 for r in rows], [r["rollout_tau"] for r in rows]
+    ax.plot(xs, taus, marker="o", label=f"drafter entering the iteration ({rows[0]['rollout_sequences']} seq each)")
+    ax.axhline(taus[0], color="gray", ls=":", label=f"start: initial drafter, tau {taus[0]:.3f}")
+    top = max(taus)
+    if final_rollout:
+        ax.axhline(final_rollout["tau"], color="tab:green", ls="--",
+                   label=f"final drafter, iteration 1's prompts: tau {final_rollout['tau']:.3f} ({final_rollout['sequences']} seq)")
+        top = max(top, final_rollout["tau"])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(0.5, max(xs) + 0.5)
+    ax.set_ylim(1.0, top + max(0.1, 0.15 * (top - 1.0)))
     ax.set_xlabel("OPD iteration")
     ax.set_ylabel("on-policy rollout tau")
-    ax.set_title("Accepted length of the current drafter per iteration")
+    ax.set_title("Accepted length per iteration (1.0 = no speculation)")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "tau_per_iteration.png", dpi=120)
     plt.close(fig)
@@ -533,10 +600,13 @@ def write_report(out: Path) -> Path:
             f"{r['spool_bytes'] / 2**20:.1f} |"
         )
     last = rows[-1]["flops"]
+    if final_rollout:
+        lines += ["", f"Final drafter: rollout tau {final_rollout['tau']:.3f} on iteration 1's {final_rollout['sequences']} "
+                      f"prompts (the initial drafter: {rows[0]['rollout_tau']:.3f} on the same prompts)."]
     lines += ["", f"Drafter-training FLOPs of the OPD stage: {last['drafter_budget']:.3e} (teacher lm_head included); "
               f"target rollout FLOPs: {last['target_rollout']:.3e}.", "", "![tau per iteration](tau_per_iteration.png)", ""]
     p = out / "report.md"
-    p.write_text("\n".join(lines))
+    atomic_write_text(p, "\n".join(lines))
     return p
 
 

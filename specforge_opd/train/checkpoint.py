@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from specforge_opd.atomic import atomic_write_text
 from specforge_opd.errors import DiskFullError, UserError, is_disk_full
 from specforge_opd.models.drafter import build_drafter, save_drafter
-from specforge_opd.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from specforge_opd.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
@@ -150,6 +150,7 @@ def load_checkpoint(step_dir: str | os.PathLike, model, optimizer) -> dict:
         raise CheckpointError(f"{d}: no {STATE_FILE}; not a complete OPD checkpoint")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
+    load_metadata(d / ".metadata")  # refuse a planted file here: DCP would wrap the refusal into its own error
     dcp.load(state, checkpoint_id=str(d), storage_reader=SafeFileSystemReader(str(d)), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = d / f"rng-rank{_rank()}.safetensors"

@@ -711,8 +711,8 @@ def cli(argv: list[str]) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if args.no_resume and rank0:
         (Path(cfg.output.dir) / FILE).unlink(missing_ok=True)  # a fresh start records its own config
-    check_config_unchanged(cfg, cfg.output.dir, "distill", allow_change=args.allow_config_change or args.no_resume,
-                           write=rank0)
+    check_config_unchanged(cfg, cfg.output.dir, "distill", allow_change=args.allow_config_change, write=rank0,
+                           extra={"--drafter": args.drafter})
     res = distill(cfg, args.shards, args.drafter, None, resume=not args.no_resume)
     if int(os.environ.get("RANK", "0")) == 0:
         if res.already_complete:
