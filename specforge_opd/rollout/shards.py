@@ -161,6 +161,8 @@ class ShardWriter:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.meta = json.loads(json.dumps(meta))
+        #: Damaged shards this writer moved aside on opening the directory (``heal_shards``).
+        self.healed: list[dict] = []
         man = _read_manifest(self.dir)
         if man is None:
             for f in sorted(self.dir.glob("*.safetensors")):
@@ -175,7 +177,8 @@ class ShardWriter:
             bad = _compat_problems(man.get("meta", {}), self.meta)
             if bad:
                 raise ShardError(f"{self.dir}: existing shards differ from this run in {', '.join(bad)}; use a fresh --out directory")
-            if heal_shards(self.dir):
+            self.healed = heal_shards(self.dir)
+            if self.healed:
                 man = _read_manifest(self.dir)
         self.manifest = man
 
@@ -580,5 +583,5 @@ def cli(argv: list[str]) -> int:
     tot = sum(hist) or 1
     print("  accepted length (r+1): " + "  ".join(f"{i + 1}:{h} ({100 * h / tot:.0f}%)" for i, h in enumerate(hist) if h))
     if s["unlisted"]:
-        print(f"  unlisted files (ignored; incomplete writes): {', '.join(s['unlisted'])}")
+        print(f"  unlisted files (ignored: incomplete writes, or damaged shards a resume moved aside): {', '.join(s['unlisted'])}")
     return 0

@@ -37,12 +37,13 @@ from typing import Optional
 
 import torch
 
-from specforge_opd.atomic import atomic_write_json, atomic_write_text
+from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.errors import DiskFullError, is_disk_full
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
 from specforge_opd.rollout.records import accepted_histogram, tau_of
 from specforge_opd.run_fingerprint import check_config_unchanged
+from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also opd.write_report for callers)
 from specforge_opd.stages.plan import (
     OPDPlan,
     PlanError,
@@ -167,9 +168,8 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
           f"({sched['steps_per_iteration']} per iteration)")
     mem = estimate_rank_memory(cfg, tconf, world)
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-    from specforge_opd.precision import uses_cuda
-
-    print(f"  peak {'GPU' if uses_cuda(cfg.target.device) else 'CPU'} memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
+    # the config's intent: a dry run of a GPU config on a laptop still plans GPU memory
+    print(f"  peak {'CPU' if cfg.target.device == 'cpu' else 'GPU'} memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
           f"{mem['blocks_per_forward']} per forward):")
     print(f"    trainer   {gib(mem['trainer_peak']):>10}  = target {gib(mem['target_weights'])} + drafter state "
           f"{gib(mem['drafter_state'])} + sequence {gib(mem['sequence_inputs'])} + replay activations "
@@ -196,7 +196,8 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     ``rollout.backend`` sglang_verify / sglang_native go through ``sglang.rollout_backend``
     (native mode launches the server with ``drafter_dir``, this iteration's drafter).
     Returns stats of the batches rolled out now plus those found done:
-    sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs.
+    sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs, and
+    ``healed``: damaged shards moved aside on resume (their prompts were rolled out again).
     """
     from tqdm import tqdm
 
@@ -255,6 +256,7 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
         "tokens_per_s": new_tokens / seconds if seconds > 0 and new_tokens else None,
         "skipped_too_long": len(getattr(engine, "skipped", []) or []),
         "target_rollout_flops": ledger.target_rollout,
+        "healed": len(writer.healed),
     }
 
 
@@ -431,6 +433,17 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir,
                            fault_after_shards=int(fault.split(":")[1]) if fault and fault.startswith("rollout:") else None)
         del engine, drafter
+        healed = ro.pop("healed")
+        if world > 1:
+            flag = torch.tensor([healed], device="cuda" if torch.cuda.is_available() else "cpu")
+            dist.all_reduce(flag)
+            healed = int(flag.item())
+            dist.barrier()
+        if healed and rank == 0 and (it_dir / "train" / "checkpoints").is_dir():
+            # the healed spool holds the same prompts in another order: this iteration's training starts over
+            print(f"OPD: iteration {it + 1}'s shards were healed; its training restarts from the iteration's start",
+                  file=sys.stderr)
+            shutil.rmtree(it_dir / "train" / "checkpoints")
         if world > 1:
             dist.barrier()
         spool_bytes = dir_bytes(spool_root)
@@ -544,70 +557,6 @@ def _tensorboard(cfg, out: Path):
     except ImportError:
         return None
     return SummaryWriter(str(out / "tensorboard" / "opd"))
-
-
-def write_report(out: Path, final_rollout: Optional[dict] = None) -> Path:
-    """``report.md`` and ``tau_per_iteration.png`` from ``opd_metrics.jsonl``.
-
-    The plot: the on-policy rollout tau of the drafter entering each iteration (integer
-    ticks, y from 1.0, the tau of no speculation), the start (iteration 1, the initial
-    drafter) and, with ``final_rollout`` (``_final_rollout``), the final drafter on the
-    same prompts as reference lines; the sequences per point in the legend.
-    """
-    rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines() if l.strip()]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    xs, taus = [r["iteration"] + 1 for r in rows], [r["rollout_tau"] for r in rows]
-    ax.plot(xs, taus, marker="o", label=f"drafter entering the iteration ({rows[0]['rollout_sequences']} seq each)")
-    ax.axhline(taus[0], color="gray", ls=":", label=f"start: initial drafter, tau {taus[0]:.3f}")
-    top = max(taus)
-    if final_rollout:
-        ax.axhline(final_rollout["tau"], color="tab:green", ls="--",
-                   label=f"final drafter, iteration 1's prompts: tau {final_rollout['tau']:.3f} ({final_rollout['sequences']} seq)")
-        top = max(top, final_rollout["tau"])
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlim(0.5, max(xs) + 0.5)
-    ax.set_ylim(1.0, top + max(0.1, 0.15 * (top - 1.0)))
-    ax.set_xlabel("OPD iteration")
-    ax.set_ylabel("on-policy rollout tau")
-    ax.set_title("Accepted length per iteration (1.0 = no speculation)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out / "tau_per_iteration.png", dpi=120)
-    plt.close(fig)
-    lines = [
-        "# OPD report",
-        "",
-        "Rollout tau is measured on-policy: the drafter of the previous iteration decodes this iteration's prompts.",
-        "",
-        "| iter | rollout tau | seqs | rollout tok/s | train steps | loss | L_acc | L_rej | accepted frac | spool MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def f(x, fmt="{:.4f}"):
-        return "-" if x is None else fmt.format(x)
-
-    for r in rows:
-        lines.append(
-            f"| {r['iteration'] + 1} | {r['rollout_tau']:.3f} | {r['rollout_sequences']} | {f(r['rollout_tokens_per_s'], '{:.1f}')} | "
-            f"{r['train_steps']} | {f(r['loss'])} | {f(r['L_acc'])} | {f(r['L_rej'])} | {f(r['accepted_fraction'], '{:.3f}')} | "
-            f"{r['spool_bytes'] / 2**20:.1f} |"
-        )
-    last = rows[-1]["flops"]
-    if final_rollout:
-        lines += ["", f"Final drafter: rollout tau {final_rollout['tau']:.3f} on iteration 1's {final_rollout['sequences']} "
-                      f"prompts (the initial drafter: {rows[0]['rollout_tau']:.3f} on the same prompts)."]
-    lines += ["", f"Drafter-training FLOPs of the OPD stage: {last['drafter_budget']:.3e} (teacher lm_head included); "
-              f"target rollout FLOPs: {last['target_rollout']:.3e}.", "", "![tau per iteration](tau_per_iteration.png)", ""]
-    p = out / "report.md"
-    atomic_write_text(p, "\n".join(lines))
-    return p
 
 
 def cli(argv: list[str]) -> int:

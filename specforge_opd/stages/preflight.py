@@ -128,3 +128,22 @@ def check_before_target(cfg: ExperimentConfig, *, drafter=None, out_dir=None, pr
                       field="draft.path" if drafter is None else "--drafter")
     if prompts:
         check_prompt_sources(cfg)
+
+
+def before_distill(cfg: ExperimentConfig, shard_dirs: list, drafter=None, *, resume: bool = True,
+                   allow_config_change: bool = False) -> None:
+    """The ``distill`` verb's checks before the target loads: output dir, shards (in full), drafter,
+    and, on a resume, the config against the run's fingerprint (``run_fingerprint``; a fresh
+    start, ``resume=False``, records its own).
+
+    Raises:
+        UserError: as ``check_before_target``; ConfigError: a changed config without ``allow_config_change``.
+    """
+    from specforge_opd.run_fingerprint import FILE, check_config_unchanged
+
+    check_before_target(cfg, drafter=drafter, prompts=False, shard_dirs=shard_dirs)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if not resume and rank0:
+        (Path(cfg.output.dir) / FILE).unlink(missing_ok=True)
+    check_config_unchanged(cfg, cfg.output.dir, "distill", allow_change=allow_config_change, write=rank0,
+                           extra={"--drafter": drafter})

@@ -422,15 +422,18 @@ def dry_run(cfg: ExperimentConfig) -> dict:
 def cli(argv: list[str]) -> int:
     """``specforge-opd sft -c CFG [section.field=value ...] [--dry-run] [--out DIR]``."""
     from specforge_opd.cli import experiment_parser, parse_experiment
+
     parser = experiment_parser("sft", "the SFT stage on SpecForge (responses, features, train, export)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, draft config and estimates; load nothing")
     args, cfg = parse_experiment(parser, argv)
     if args.dry_run:
         dry_run(cfg)
         return 0
-    from specforge_opd.stages.preflight import check_prompt_sources, check_writable
+    from specforge_opd.stages.preflight import check_drafter, check_prompt_sources, check_writable
 
     check_writable(cfg.output.dir)  # before the target loads
     check_prompt_sources(cfg)
+    if cfg.sft.init_drafter:
+        check_drafter(cfg, cfg.sft.init_drafter, field="sft.init_drafter")
     run_sft(cfg)  # a UserError (SFTError, DrafterError, ...) is reported by cli.main
     return 0
