@@ -23,7 +23,6 @@ from specforge_opd.cli import main
 from specforge_opd.config import ConfigError, load_config
 from specforge_opd.errors import DiskFullError, UserError
 from specforge_opd.models.drafter import save_drafter
-from specforge_opd.rollout import shards
 from specforge_opd.rollout.shards import ShardWriter, read_shards, written_sample_ids
 
 from conftest import make_tiny_drafter, make_tiny_target
@@ -320,10 +319,10 @@ def test_opd_resume_with_changed_config_is_refused_and_keeps_the_run(tmp_path, c
     assert len(list(read_shards(shard.parent))) == 4
     # damaged after training began: healed, and the iteration's training starts over on the healed spool
     assert (out / "iter_000" / "train" / "checkpoints" / "latest").is_file()
-    _flip(shard.parent / "shard-00001.safetensors")
+    _flip(shard)  # its prompts come back last: the records' order changes
     final = run_opd(cfg, target=bundle, prompts=prompts)
     err = capsys.readouterr().err
-    assert "shard-00001.safetensors: checksum mismatch" in err and "training restarts" in err
+    assert "shard-00000.safetensors: checksum mismatch" in err and "training restarts" in err
     rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and all(r["train_steps"] == 2 for r in rows)
     assert (final / "model.safetensors").is_file()
