@@ -2,7 +2,10 @@
 
 Every writer of the project goes through here, so a kill or a full disk never
 leaves a half-written file under its final name (DESIGN.md: "nothing already
-written is lost").
+written is lost"). A full disk is reported as ``errors.DiskFullError`` naming the
+file. Files get the process umask's mode (0644 under umask 0022), as ``open`` would
+give them, not ``mkstemp``'s owner-only 0600: an SGLang server running as another
+user reads the exports.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
+
+from specforge_opd.errors import DiskFullError, is_disk_full, process_umask
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,23 +33,42 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Create ``path`` by ``write(f)`` on a temporary file, then rename it into place.
 
-    Raises whatever ``write`` raises (e.g. ``OSError(ENOSPC)``): the temporary
-    file is removed and ``path`` is untouched.
+    The file's mode is ``0o666`` less the process umask.
+
+    Raises:
+        DiskFullError: the disk filled up (``OSError`` errno ENOSPC, a ``UserError``);
+            the message names ``path``.
+        whatever else ``write`` raises. In every case the temporary file is removed
+        and ``path`` is untouched.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    except OSError as e:
+        if is_disk_full(e):
+            raise DiskFullError(path) from e
+        raise
+    try:
+        os.fchmod(fd, 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, Exception) and not isinstance(e, DiskFullError) and is_disk_full(e):
+            raise DiskFullError(path) from e
         raise
     fsync_dir(path.parent)
+
+
+def private_dir_to_umask(path: Path) -> Path:
+    """Give a ``tempfile.mkdtemp`` directory (0700) the mode ``mkdir`` would (0755 under umask 0022)."""
+    os.chmod(path, 0o777 & ~process_umask())
+    return path
 
 
 def atomic_write_bytes(path: Path, data: bytes, write: Optional[Callable[[BinaryIO, bytes], None]] = None) -> None:

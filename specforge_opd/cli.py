@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
+import warnings
 from typing import Callable, Optional
 
-from specforge_opd.config import ConfigError, ExperimentConfig, load_config
+from specforge_opd.config import ExperimentConfig, load_config
+from specforge_opd.errors import USER_ERROR_EXIT, UserError, is_disk_full, one_line
 
 #: verb -> "module:function" (function(argv: list[str]) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,7 +31,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def experiment_parser(prog: str, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser with the shared ``-c FILE``, overrides and ``--out`` shorthand."""
+    """An argparse parser with the shared ``-c FILE``, overrides and ``--out`` shorthand.
+
+    ``parse_experiment`` parses it with ``parse_intermixed_args``, so overrides may come
+    after flags (``--dry-run a.b=1``).
+    """
     p = argparse.ArgumentParser(prog=f"specforge-opd {prog}", description=description)
     p.add_argument("-c", "--config", help="experiment YAML (configs/<exp>/<stage>.yaml)")
     p.add_argument("--out", help="shorthand for output.dir; wins over YAML and overrides")
@@ -39,20 +46,19 @@ def experiment_parser(prog: str, description: str = "") -> argparse.ArgumentPars
 def parse_experiment(
     parser: argparse.ArgumentParser, argv: list[str], extra_flags: Optional[Callable] = None
 ) -> tuple[argparse.Namespace, ExperimentConfig]:
-    """Parse argv with ``parser`` and load the config; exits with one clear line on a config error.
+    """Parse argv with ``parser`` (overrides may follow flags) and load the config.
 
     Every verb comes through here, so this is where a process's torch threads are set
     (``target.apply_threads(target.threads)``).
+
+    Raises:
+        ConfigError: a bad file, key or value (``main`` prints it as one line, exit code 2).
     """
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     flags = {"output.dir": args.out}
     if extra_flags is not None:
         flags.update(extra_flags(args))
-    try:
-        cfg = load_config(args.config, args.overrides, flags)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    cfg = load_config(args.config, args.overrides, flags)  # ConfigError: one line from main
     from specforge_opd.models.target import apply_threads
 
     apply_threads(cfg.target.threads)
@@ -67,7 +73,38 @@ def config_cmd(argv: list[str]) -> int:
     return 0
 
 
+#: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
+#: fallback (the drafter uses sdpa/flex here), DCP's single-process note, the LR scheduler's
+#: note on ``get_lr`` inside ``step``.
+_NOISE = (
+    "flash_attn is not found",
+    "torch.distributed is disabled, unavailable or uninitialized",
+    "To get the last learning rate computed by the scheduler",
+)
+
+
+class _DropTokenLengthNote(logging.Filter):
+    """transformers' "Token indices sequence length is longer than ..." note: prompts over the tokenizer's
+    nominal length are measured against ``target.max_context`` and skipped or refused with their own message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token indices sequence length" not in record.getMessage()
+
+
+def quiet_known_noise() -> None:
+    """Silence the warnings that every run printed (``_NOISE``); any other warning still shows."""
+    for text in _NOISE:
+        warnings.filterwarnings("ignore", message=f".*{text}")
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_DropTokenLengthNote())
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run one verb; returns its exit code.
+
+    A ``UserError`` from any verb (``errors.UserError``: bad config, path, file, a full
+    disk) ends in one line on stderr and exit code 2; so does any other write that failed
+    for a full disk. Any other exception keeps its traceback. Ctrl-C exits with 130.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: specforge-opd VERB [-c CONFIG] [section.field=value ...]\n\nverbs:")
@@ -82,13 +119,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         hint = f" (did you mean `{close[0]}`?)" if close else ""
         print(f"error: unknown verb `{verb}`{hint}; known: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    quiet_known_noise()
     mod_name, fn_name = COMMANDS[verb][0].split(":")
     fn = getattr(importlib.import_module(mod_name), fn_name)
     try:
         return int(fn(rest) or 0)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        # a writer this package does not wrap (a library's own file): still one line
+        where = getattr(e, "filename", None) or "a file under output.dir"
+        print(f"error: {where}: no space left on device ({one_line(str(e))[:200]}); free space "
+              f"(or set output.dir on a larger disk) and rerun the same command", file=sys.stderr)
+        return USER_ERROR_EXIT
     except KeyboardInterrupt:
         print("interrupted; finished work is kept and the same command resumes", file=sys.stderr)
         return 130

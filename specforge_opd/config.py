@@ -15,13 +15,15 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, List, Literal, Optional
+from typing import Annotated, Any, List, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specforge_opd.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config file, key or value is wrong; the message names it and the fix."""
 
 
@@ -47,7 +49,7 @@ class TargetConfig(Section):
     thinking: bool = False
     system_prompt: Optional[str] = None
     #: Extra stop token ids besides the tokenizer's eos.
-    stop_token_ids: List[int] = Field(default_factory=list)
+    stop_token_ids: List[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     #: Asset cache for the embedded target and parsed prompt sources
     #: (None: $SPECFORGE_OPD_CACHE, else ~/.cache/specforge_opd).
     cache_dir: Optional[str] = None
@@ -69,10 +71,10 @@ class DraftConfig(Section):
     path: Optional[str] = None
     num_hidden_layers: int = Field(default=1, gt=0)
     block_size: int = Field(default=16, ge=2)
-    target_layer_ids: Optional[List[int]] = None
-    mask_token_id: Optional[int] = None
+    target_layer_ids: Optional[List[Annotated[int, Field(ge=0)]]] = None
+    mask_token_id: Optional[int] = Field(default=None, ge=0)
     #: Drafter MLP width; None = the target's intermediate_size.
-    intermediate_size: Optional[int] = None
+    intermediate_size: Optional[int] = Field(default=None, gt=0)
 
 
 class DataConfig(Section):
@@ -83,13 +85,13 @@ class DataConfig(Section):
     #: Local JSONL/Parquet files for hub-only sources: {source_name: path}.
     local_files: dict[str, str] = Field(default_factory=dict)
     #: Number of training prompts to take (None = all).
-    num_prompts: Optional[int] = None
+    num_prompts: Optional[int] = Field(default=None, ge=1)
     #: Per-source caps applied before mixing, e.g. {gsm8k: 2000, math: 5000}.
-    source_limits: dict[str, int] = Field(default_factory=dict)
+    source_limits: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
     #: Disjoint hash slices of the prompt pool: a prompt belongs to slice
     #: int(sha1(normalized text)) % num_slices; SFT and OPD take different slices.
     num_slices: int = Field(default=1, gt=0)
-    slices: List[int] = Field(default_factory=lambda: [0])
+    slices: List[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1)
     #: Evaluation sets whose prompts are removed from the training pool.
     exclude_eval: List[str] = Field(
         default_factory=lambda: ["mtbench", "humaneval", "mmath_math500", "mmath_aime24", "mmath_aime25"]
@@ -232,6 +234,10 @@ class OPDConfig(Section):
     #: Validation curve: prompts of the pool after ``data.num_prompts`` (never rolled out),
     #: on which every refresh's drafter (and the start) is replayed offline at T=0; 0: off.
     val_prompts: int = Field(default=0, ge=0)
+    #: After the last iteration, roll out the final drafter once more on iteration 1's
+    #: prompts, so ``tau_per_iteration.png`` and ``report.md`` show its on-policy tau beside
+    #: the start's (one more iteration's rollout; the validation curve needs none).
+    final_rollout: bool = True
     #: The drafter exported as ``final`` when validating: the refresh with the highest
     #: validation tau (``best_val``, as the SFT stage selects), or the last one.
     select: Literal["best_val", "last"] = "best_val"
@@ -241,10 +247,11 @@ class EvalConfig(Section):
     """Evaluation (``specforge_opd.eval.evaluate``)."""
 
     datasets: List[str] = Field(default_factory=lambda: ["mtbench", "humaneval", "mmath_math500"])
-    num_prompts: Optional[int] = 16
+    #: Prompts per dataset (None = all).
+    num_prompts: Optional[int] = Field(default=16, ge=1)
     max_new_tokens: int = Field(default=128, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)
-    seeds: List[int] = Field(default_factory=lambda: [0])
+    seeds: List[int] = Field(default_factory=lambda: [0], min_length=1)
     batch_size: int = Field(default=1, gt=0)
     #: Add the prompt-lookup drafter's row (``specforge_opd.eval.ngram``; no training) to every
     #: offline table, at the block size of the first evaluated drafter.

@@ -18,12 +18,13 @@ from typing import Any, Callable
 
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.errors import UserError
 
 #: The marker a finished step writes last: ``{"key", "inputs", "stats", "finished_at"}``.
 MARKER = "DONE.json"
 
 
-class SFTError(RuntimeError):
+class SFTError(UserError, RuntimeError):
     """The SFT stage cannot go on; the message names the step, the cause and the fix."""
 
 

@@ -200,5 +200,5 @@ def test_prepare_assets_cli(tmp_path, monkeypatch, capsys):
         raise assets.AssetError("sha256 differs")
 
     monkeypatch.setattr(assets, "ensure_target", bad)
-    assert main(["prepare-assets", "--cache", str(tmp_path / "c")]) == 1
+    assert main(["prepare-assets", "--cache", str(tmp_path / "c")]) == 2
     assert capsys.readouterr().err.strip() == "error: sha256 differs"

@@ -25,7 +25,6 @@ from specforge_opd.eval.evaluate import (
     EvalError,
     TrajectoryCache,
     evaluate,
-    load_eval_prompts,
     offline_replay,
     offline_tau,
 )
@@ -286,11 +285,12 @@ def test_evaluate_bad_input(tmp_path, tiny_setup):
 
     with pytest.raises(EvalError, match="known: " + ", ".join(KNOWN_EVAL_SETS[:2])):
         evaluate(load_config(None, ["eval.datasets=[mtbnch]"]), {"ok": ok}, tmp_path / "o", target=_target_ns(target))
-    with pytest.raises(EvalError, match="no prompts"):
-        load_eval_prompts(load_config(None, ["eval.datasets=[humaneval]", "eval.num_prompts=0"]), tokenizer=None)
+    from specforge_opd.config import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.num_prompts"):  # the schema refuses zero prompts
+        load_config(None, ["eval.datasets=[humaneval]", "eval.num_prompts=0"])
     # offline mode at T > 0 is refused (not exact)
     hot = load_config(None, ["eval.mode=offline", "eval.temperature=0.7", "eval.speedup=false"])
-    from specforge_opd.config import ConfigError
 
     with pytest.raises(ConfigError, match="temperature 0"):
         evaluate(hot, {"ok": ok}, tmp_path / "o", target=_target_ns(target), prompt_sets={"s": (prompts, ["x"] * len(prompts))})

@@ -69,6 +69,12 @@ def test_opd_loop_and_resume(tmp_path):
     rows2 = [json.loads(l) for l in (tmp_path / "killed" / "opd_metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows2] == [0, 1]
     assert rows2[0]["rollout_tau"] == pytest.approx(rows[0]["rollout_tau"])
+    # the steps of the killed invocation count too
+    assert all(r["train_steps"] == 2 for r in rows2)
+    # the final drafter's tau is measured on iteration 1's prompts and reported beside the start
+    final_ro = json.loads((tmp_path / "killed" / "opd_state.json").read_text())["final_rollout"]
+    assert final_ro["sequences"] == 4 and final_ro["tau"] >= 1.0
+    assert f"Final drafter: rollout tau {final_ro['tau']:.3f}" in (tmp_path / "killed" / "report.md").read_text()
     # a finished run started again trains nothing more
     again = run_opd(cfg2, target=bundle2, prompts=prompts)
     for k, v in _params(again).items():

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -367,13 +366,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--cache", help=f"cache directory (default ${CACHE_ENV} or ~/.cache/specforge_opd)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from specforge_opd.data.prompts import PromptsError
-
-    try:
-        rep = prepare_assets(args.cache)
-    except (AssetError, PromptsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    rep = prepare_assets(args.cache)  # AssetError / PromptsError: reported by cli.main
     print(f"target: {rep['target']} ({rep['seconds']['target']:.2f} s)")
     for name, n in rep["sources"].items():
         print(f"prompts {name}: {n} records ({rep['seconds'][name]:.2f} s)")

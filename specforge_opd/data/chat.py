@@ -22,12 +22,14 @@ import json
 import logging
 from typing import Any, Optional, Sequence
 
+from specforge_opd.errors import UserError
+
 log = logging.getLogger(__name__)
 
 _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 
 
-class ChatError(ValueError):
+class ChatError(UserError, ValueError):
     """A conversation cannot be rendered; the message names the turn and the fix."""
 
 

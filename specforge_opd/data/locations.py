@@ -11,11 +11,14 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from specforge_opd.errors import UserError
+
+
 #: Environment variable that moves the asset cache.
 CACHE_ENV = "SPECFORGE_OPD_CACHE"
 
 
-class AssetError(RuntimeError):
+class AssetError(UserError, RuntimeError):
     """An asset is missing, differs from the pinned one, or failed its pinned checks."""
 
 

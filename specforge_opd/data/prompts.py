@@ -39,6 +39,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from specforge_opd.atomic import atomic_write_text
 from specforge_opd.data.locations import AssetError, cache_dir, package_file
+from specforge_opd.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ OVERLAP_NGRAM = 13
 MIN_SHORT_MATCH_WORDS = 6
 
 
-class PromptsError(ValueError):
+class PromptsError(UserError, ValueError):
     """A prompt source is missing, unknown or empty; the message names the setting and the fix."""
 
 
@@ -492,6 +493,15 @@ class PoolStats:
     other_slices: int = 0
     too_long: int = 0
     kept: int = 0
+
+    def summary(self) -> str:
+        """One line for people: ``kept 105 of 120 loaded (sharegpt 120); dropped 2 duplicates, 13 overlapping eval sets``."""
+        loaded = sum(self.loaded.values())
+        per = ", ".join(f"{k} {v}" for k, v in self.loaded.items())
+        dropped = [f"{n} {what}" for n, what in ((self.empty, "empty"), (self.duplicates, "duplicates"),
+                                                  (self.eval_overlap, "overlapping eval sets"),
+                                                  (self.other_slices, "in other slices"), (self.too_long, "too long")) if n]
+        return f"kept {self.kept} of {loaded} loaded ({per})" + ("; dropped " + ", ".join(dropped) if dropped else "")
 
 
 def training_pool_with_stats(

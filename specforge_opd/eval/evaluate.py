@@ -44,9 +44,9 @@ from tqdm import tqdm
 
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_text
 from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.errors import UserError
 from specforge_opd.eval.ngram import NGRAM_NAME, ngram_offline_tau
 from specforge_opd.models.drafter import (
-    DrafterError,
     check_compatible,
     drafter_layer_ids,
     drafter_mask_token_id,
@@ -63,7 +63,7 @@ FILL_CHUNK_BATCHES = 4
 GAP_CHUNK = 256
 
 
-class EvalError(ValueError):
+class EvalError(UserError, ValueError):
     """Evaluation input is wrong (dataset, prompts, drafter); the message names it and the fix."""
 
 
@@ -796,17 +796,6 @@ def _parse_drafters(values: list[str]) -> dict[str, Path]:
     return out
 
 
-def _user_errors() -> tuple:
-    """Error classes whose message is the whole story (bad input, not a bug): printed without a traceback."""
-    from specforge_opd.data.assets import AssetError
-    from specforge_opd.data.chat import ChatError
-    from specforge_opd.data.prompts import PromptsError
-    from specforge_opd.models.target import TargetError
-    from specforge_opd.rollout.engine import RolloutError
-
-    return (EvalError, DrafterError, PromptsError, ChatError, TargetError, RolloutError, AssetError)
-
-
 def cli(argv: list[str]) -> int:
     """``specforge-opd eval -c CFG --drafter DIR [--drafter NAME=DIR ...] [overrides] [--out DIR]``."""
     from specforge_opd.cli import experiment_parser, parse_experiment
@@ -818,12 +807,7 @@ def cli(argv: list[str]) -> int:
     if not drafters and cfg.draft.path:
         drafters = {"draft": Path(cfg.draft.path)}
     out = Path(cfg.output.dir)
-    _USER_ERRORS = _user_errors()
-    try:
-        evaluate(cfg, drafters, out)
-    except _USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    evaluate(cfg, drafters, out)  # a UserError is reported by cli.main (one line, exit 2)
     print((out / "eval.md").read_text())
     print(f"wrote {out / 'eval.json'}")
     return 0

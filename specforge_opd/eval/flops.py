@@ -331,3 +331,14 @@ def sft_flops(cfg, draft_config, target_config, responses: list, *, steps: int,
             ledger.target_capture += autoregressive_target_flops(target_config, prompt_len=len(r.prompt_ids), new_tokens=len(r.response_ids))
             ledger.target_capture += capture_target_flops(target_config, seq_len=len(r.prompt_ids) + len(r.response_ids))
     return ledger
+
+
+def opd_replay_ledger(draft_config, records, teacher_form: str, epochs: float) -> FlopsLedger:
+    """Drafter-training FLOPs of ``epochs`` passes of the OPD trainer over ``records`` (``RolloutRecord``s;
+    ``opd_replay_flops`` per record: forward + backward into ``drafter_train``, the teacher's lm_head apart)."""
+    ledger = FlopsLedger()
+    for r in records:
+        f = opd_replay_flops(draft_config, r.anchors.tolist(), teacher_form=teacher_form)
+        ledger.drafter_train += (f["forward"] + f["backward"]) * epochs
+        ledger.teacher_lm_head += f["teacher_lm_head"] * epochs
+    return ledger

@@ -30,6 +30,8 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge_opd.atomic import private_dir_to_umask
+from specforge_opd.errors import DiskFullError, UserError, is_disk_full, process_umask
 from specforge_opd.models.adapter import DFlashDraftModel, Qwen3Config, build_target_layer_ids
 
 #: Fields copied from the target config into a derived drafter config.
@@ -71,7 +73,7 @@ _UNSUPPORTED_DFLASH_KEYS = {
 }
 
 
-class DrafterError(ValueError):
+class DrafterError(UserError, ValueError):
     """A drafter does not load or does not fit the target; the message says what and how to fix it."""
 
 
@@ -155,8 +157,8 @@ def drafter_mask_token_id(model_or_config) -> int:
     return int(cfg.dflash_config["mask_token_id"])
 
 
-def check_compatible(draft_config, target_config, *, expected_mask_token_id: Optional[int] = None) -> None:
-    """Raise ``DrafterError`` naming every mismatch between a drafter and the target.
+def check_compatible(draft_config, target_config, *, expected_mask_token_id: Optional[int] = None, where=None) -> None:
+    """Raise ``DrafterError`` naming every mismatch between a drafter and the target (and ``where``, the drafter's path).
 
     Checked: hidden size, number of target layers (and that every layer id
     exists), vocabulary size, and the mask token (inside the vocabulary, and
@@ -186,7 +188,9 @@ def check_compatible(draft_config, target_config, *, expected_mask_token_id: Opt
     elif expected_mask_token_id is not None and mask != expected_mask_token_id:
         problems.append(f"mask_token_id {mask} != configured draft.mask_token_id {expected_mask_token_id}")
     if problems:
-        raise DrafterError("drafter does not fit the target: " + "; ".join(problems))
+        name = f"drafter {where}" if where is not None else "drafter"
+        raise DrafterError(f"{name} does not fit the target: " + "; ".join(problems)
+                           + "; use a drafter trained for this target (draft.path), or set target.path to its target")
 
 
 def dtype_name(dtype) -> str:
@@ -203,8 +207,14 @@ def dtype_name(dtype) -> str:
 
 
 def _atomic_dir(out_dir: Path):
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+    """A fresh sibling of ``out_dir`` to build it in, with ``mkdir``'s mode (not mkdtemp's 0700)."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return private_dir_to_umask(Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent)))
+    except OSError as e:
+        if is_disk_full(e):
+            raise DiskFullError(out_dir) from e
+        raise
 
 
 def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: Optional[dict] = None, *,
@@ -221,8 +231,12 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
             target's dtype (``target.dtype``: bfloat16 for Qwen3), which is what SGLang
             then serves the drafter in. None: the model's own parameter dtype.
 
+    Files and directories get the process umask's modes (0644/0755 under umask 0022).
+
     Raises:
         DrafterError: ``dtype`` is not float32, bfloat16 or float16.
+        DiskFullError: the disk filled up; the partial directory is removed and an
+            existing ``out_dir`` is untouched.
     """
     name = dtype_name(dtype if dtype is not None else next(model.parameters()).dtype)
     out = Path(out_dir)
@@ -241,6 +255,8 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if metadata is not None:
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True, default=str))
+        for f in tmp.iterdir():  # safetensors' writer makes its file owner-only
+            os.chmod(f, 0o666 & ~process_umask())
         if out.exists():
             old = out.with_name(out.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -249,8 +265,10 @@ def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, metadata: 
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, DiskFullError) and is_disk_full(e):
+            raise DiskFullError(out, f"exporting the drafter: {str(e).splitlines()[0][:120]}") from e
         raise
     return out
 
@@ -439,7 +457,7 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
             raise DrafterError(f"drafter {p} has no config.json, so it is read as a SpecForge checkpoint, "
                                "whose architecture is derived from the target: pass the target's config")
         model = load_specforge_checkpoint(p, target_config, attention_backend)
-        check_compatible(model.config, target_config, expected_mask_token_id=expected_mask_token_id)
+        check_compatible(model.config, target_config, expected_mask_token_id=expected_mask_token_id, where=p)
         return model
     config = load_draft_config(p)
     have = drafter_dtype(config)
@@ -447,7 +465,7 @@ def load_drafter(path: str | os.PathLike, attention_backend: str = "sdpa", targe
         raise DrafterError(f"drafter {p}: config.json dtype={have}, but target.dtype={target_dtype}; set "
                            f"target.dtype={have} (the dtype it was exported for), or re-export it with save_drafter(..., dtype={target_dtype!r})")
     if target_config is not None:
-        check_compatible(config, target_config, expected_mask_token_id=expected_mask_token_id)
+        check_compatible(config, target_config, expected_mask_token_id=expected_mask_token_id, where=p)
     model = build_drafter(config, attention_backend)
     files = sorted(p.glob("*.safetensors"))
     if not files:

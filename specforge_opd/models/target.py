@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specforge_opd.errors import UserError
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """The target cannot be loaded; the message names the setting and the fix."""
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from specforge_opd.config import RolloutConfig
+from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
 from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord
@@ -44,7 +45,7 @@ from specforge_opd.rollout.step import (
 log = logging.getLogger(__name__)
 
 
-class RolloutError(ValueError):
+class RolloutError(UserError, ValueError):
     """Bad rollout input (empty prompt, prompt too long, drafter/target mismatch); the message says the fix."""
 
 
@@ -497,11 +498,17 @@ def cli(argv: list[str]) -> int:
     parser = experiment_parser("rollout", "one speculative rollout pass to shards")
     parser.add_argument("--drafter-step", type=int, default=0, help="optimizer step of the drafter (stored in shards)")
     args, cfg = parse_experiment(parser, argv)
+    from specforge_opd.stages.preflight import check_before_target
+
+    check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
     return run_rollout(cfg, out_dir=cfg.output.dir, drafter_step=args.drafter_step)
 
 
 def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
     """Load target, drafter and prompts from ``cfg``, roll out every prompt, write shards to ``out_dir``.
+
+    A rerun into the same ``out_dir`` resumes: its shards are verified (a damaged one is
+    moved aside, ``shards.heal_shards``) and the sequences they hold are not rolled out again.
 
     Raises:
         RolloutError: no drafter path (draft.path) or a bad prompt.
@@ -557,8 +564,16 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         return 0
     from tqdm import tqdm
 
+    from specforge_opd.rollout.shards import written_sample_ids
+
+    # a rerun into the same directory resumes: sequences already in complete shards are kept
+    done = written_sample_ids(out_dir)
+    todo = [p for p in prompts if p[0] not in done]
+    if done:
+        print(f"rollout: resuming in {out_dir}: {len(prompts) - len(todo)} of {len(prompts)} sequences already written",
+              file=sys.stderr)
     steps = toks = 0
-    bar = tqdm(total=len(prompts), desc="rollout", unit="seq")
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq")
 
     def on_write(recs):
         nonlocal steps, toks
@@ -566,11 +581,12 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         toks += sum(r.completion_tokens for r in recs)
         bar.update(len(recs))
 
-    generate_to_shards(engine, prompts, writer, per=cfg.rollout.sequences_per_shard, batch_size=cfg.rollout.batch_size,
-                       drafter_step=drafter_step, on_write=on_write)
+    if todo:
+        generate_to_shards(engine, todo, writer, per=cfg.rollout.sequences_per_shard, batch_size=cfg.rollout.batch_size,
+                           drafter_step=drafter_step, on_write=on_write)
     bar.close()
     skipped = len(engine.skipped)
     tau = toks / steps if steps else 0.0
-    print(f"rollout: {len(prompts) - skipped} sequences, {toks} completion tokens, {steps} verify steps, tau={tau:.3f}, "
+    print(f"rollout: {len(todo) - skipped} sequences, {toks} completion tokens, {steps} verify steps, tau={tau:.3f}, "
           f"{skipped} skipped (too long) -> {out_dir}")
     return 0

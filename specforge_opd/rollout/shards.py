@@ -36,9 +36,9 @@ and whose safetensors metadata carries ``schema_version``, ``meta`` (JSON) and
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -49,6 +49,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from specforge_opd.atomic import atomic_write_bytes
+from specforge_opd.errors import DiskFullError, UserError, is_disk_full
 from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
 
 SCHEMA_VERSION = 1
@@ -59,7 +60,7 @@ COMPAT_KEYS = ("block_size", "target_layer_ids", "target_identity", "mask_token_
 _TEACHER = ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob")
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A shard or shard directory is corrupt, of another schema, or incompatible; the message names the file."""
 
 
@@ -145,7 +146,9 @@ class ShardWriter:
 
     Args:
         out_dir: created if missing. An existing directory is appended to when its
-            manifest has this schema version and the same ``COMPAT_KEYS`` values.
+            manifest has this schema version and the same ``COMPAT_KEYS`` values; its
+            shards are verified in full first (``heal_shards``: a damaged one is moved
+            aside and unlisted, so a resume rolls its prompts out again).
         meta: JSON-serializable run metadata (module docstring); stored per shard.
 
     Raises:
@@ -158,6 +161,8 @@ class ShardWriter:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.meta = json.loads(json.dumps(meta))
+        #: Damaged shards this writer moved aside on opening the directory (``heal_shards``).
+        self.healed: list[dict] = []
         man = _read_manifest(self.dir)
         if man is None:
             for f in sorted(self.dir.glob("*.safetensors")):
@@ -172,6 +177,9 @@ class ShardWriter:
             bad = _compat_problems(man.get("meta", {}), self.meta)
             if bad:
                 raise ShardError(f"{self.dir}: existing shards differ from this run in {', '.join(bad)}; use a fresh --out directory")
+            self.healed = heal_shards(self.dir)
+            if self.healed:
+                man = _read_manifest(self.dir)
         self.manifest = man
 
     def write(self, records: list[RolloutRecord]) -> Path:
@@ -179,8 +187,9 @@ class ShardWriter:
 
         Raises:
             ShardError: inconsistent records.
-            OSError: the disk is full or not writable: the partial shard is removed and the
-                manifest (and every earlier shard) is unchanged; the message says so.
+            DiskFullError: the disk is full (an ``OSError``, errno ENOSPC); OSError: not
+                writable. Either way the partial shard is removed and the manifest (and every
+                earlier shard) is unchanged; the message says so.
         """
         tensors = records_to_tensors(records)
         idx = len(self.manifest["shards"])
@@ -216,8 +225,9 @@ class ShardWriter:
         except OSError as e:
             if path.exists() and not any(s["file"] == name for s in self.manifest["shards"]):
                 path.unlink()
-            hint = " (disk full)" if e.errno == errno.ENOSPC else ""
-            raise OSError(e.errno, f"writing shard {path} failed{hint}: {e.strerror or e}; the partial shard was removed, "
+            if is_disk_full(e):
+                raise DiskFullError(path, f"the partial shard was removed, earlier shards in {self.dir} are intact") from e
+            raise OSError(e.errno, f"writing shard {path} failed: {e.strerror or e}; the partial shard was removed, "
                                    f"earlier shards in {self.dir} are intact") from e
         self.manifest = new_manifest
         return path
@@ -317,17 +327,116 @@ class InOrderShards:
                 self.on_write(recs)
 
 
+#: What to do about a damaged shard: the advice every reader's message ends with.
+REPAIR_ADVICE = ("rerun the command that wrote it with the same output directory: the resume moves a damaged "
+                 "shard aside and rolls its prompts out again")
+
+
+def _damage(d: Path, entry: dict) -> Optional[str]:
+    """Why the listed shard ``entry`` of ``d`` cannot be read (``missing``, ``truncated``, ``checksum``), or None."""
+    path = d / entry["file"]
+    if not path.is_file():
+        return "missing"
+    data = path.read_bytes()
+    if "bytes" in entry and len(data) < int(entry["bytes"]):
+        return "truncated"
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        return "checksum"
+    try:
+        json.loads((st_load_metadata(data) or {}).get("sample_ids", "[]"))
+    except Exception:
+        return "unreadable"
+    return None
+
+
+def st_load_metadata(data: bytes) -> dict:
+    """The string metadata of a safetensors file held in ``data`` (its JSON header's ``__metadata__``)."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]).get("__metadata__") or {}
+
+
+def verify_shards(shard_dir) -> list[dict]:
+    """Check every listed shard of ``shard_dir`` in full (size, sha256, header); changes nothing.
+
+    Returns:
+        One dict per damaged shard: ``file``, ``why`` (missing/truncated/checksum/unreadable), ``what`` (in words).
+    Raises:
+        ShardError: unreadable manifest or another schema version.
+    """
+    d = Path(shard_dir)
+    man = _read_manifest(d) if d.is_dir() else None
+    out = []
+    for entry in (man or {}).get("shards", []):
+        why = _damage(d, entry)
+        if why is not None:
+            out.append({"file": entry["file"], "why": why, "what": _WHY[why]})
+    return out
+
+
+def heal_shards(shard_dir, log=None) -> list[dict]:
+    """Verify every listed shard of ``shard_dir`` in full; move damaged ones aside and unlist them.
+
+    A shard that is missing, truncated, fails its sha256 or has an unreadable header is
+    renamed ``<file>.bad-<why>`` (kept for a post-mortem, never read again) and dropped
+    from the manifest (rewritten atomically), so ``written_sample_ids`` no longer holds
+    its sequences and a resumed rollout rolls them out again. One line per shard goes to
+    ``log`` (default: stderr).
+
+    Returns:
+        One dict per moved shard: ``file``, ``why``, ``sequences``, ``moved_to`` (None when missing).
+    Raises:
+        ShardError: unreadable manifest or another schema version.
+    """
+    d = Path(shard_dir)
+    man = _read_manifest(d) if d.is_dir() else None
+    if not man:
+        return []
+    keep, moved = [], []
+    for entry in man["shards"]:
+        why = _damage(d, entry)
+        if why is None:
+            keep.append(entry)
+            continue
+        src, dst = d / entry["file"], None
+        if src.exists():
+            dst = d / f"{entry['file']}.bad-{why}"
+            n = 1
+            while dst.exists():
+                dst, n = d / f"{entry['file']}.bad-{why}.{n}", n + 1
+            os.replace(src, dst)
+        moved.append({"file": entry["file"], "why": why, "sequences": int(entry.get("sequences", 0)),
+                      "moved_to": dst.name if dst else None})
+    if moved:
+        _atomic_write(d / MANIFEST, json.dumps(dict(man, shards=keep), indent=1, sort_keys=True).encode())
+        for m in moved:
+            where = f"moved aside to {m['moved_to']}" if m["moved_to"] else "unlisted"
+            line = (f"{d / m['file']}: {_WHY[m['why']]}; {where}, its {m['sequences']} sequences are rolled out again")
+            (log or (lambda t: print(t, file=sys.stderr)))(line)
+    return moved
+
+
+_WHY = {"missing": "listed in the manifest but missing", "truncated": "truncated (shorter than the manifest's size)",
+        "checksum": "checksum mismatch (corrupted)", "unreadable": "unreadable safetensors header"}
+
+
 def written_sample_ids(shard_dir) -> set[str]:
     """Sample ids of the complete shards in ``shard_dir`` (the manifest lists only complete ones).
 
-    A resumed rollout skips these prompts. Reads safetensors headers only.
+    A resumed rollout skips these prompts. Reads safetensors headers only: a writer
+    (``ShardWriter``) verifies the shards in full before a resume calls this.
+
+    Raises:
+        ShardError: a listed shard is missing or its header unreadable (names the file).
     """
     d = Path(shard_dir)
     man = _read_manifest(d) if d.is_dir() else None
     done: set[str] = set()
     for entry in (man or {}).get("shards", []):
-        with safe_open(str(d / entry["file"]), framework="pt") as h:
-            done.update(json.loads(h.metadata()["sample_ids"]))
+        try:
+            with safe_open(str(d / entry["file"]), framework="pt") as h:
+                done.update(json.loads(h.metadata()["sample_ids"]))
+        except Exception as e:
+            raise ShardError(f"{d / entry['file']}: unreadable shard ({type(e).__name__}); {REPAIR_ADVICE}") from e
     return done
 
 
@@ -347,18 +456,19 @@ def shard_meta(shard_dir) -> dict:
 def _load_shard(d: Path, entry: dict, expect: Optional[dict]) -> tuple[dict, dict, list[str]]:
     path = d / entry["file"]
     if not path.is_file():
-        raise ShardError(f"{path}: listed in the manifest but missing")
+        raise ShardError(f"{path}: listed in the manifest but missing; {REPAIR_ADVICE}")
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != entry.get("sha256"):
-        raise ShardError(f"{path}: checksum mismatch (sha256 {digest[:12]}.. != manifest {str(entry.get('sha256'))[:12]}..); "
-                         f"the shard is truncated or corrupted: delete it and re-run the rollout")
+        what = "truncated" if len(data) < int(entry.get("bytes", 0)) else "corrupted"
+        raise ShardError(f"{path}: checksum mismatch, the shard is {what} (sha256 {digest[:12]}.. != manifest "
+                         f"{str(entry.get('sha256'))[:12]}..); {REPAIR_ADVICE}")
     try:
         tensors = st_load(data)
-        with safe_open(str(path), framework="pt") as h:
-            md = h.metadata() or {}
+        md = st_load_metadata(data)
     except Exception as e:
-        raise ShardError(f"{path}: not a readable safetensors shard ({e})") from e
+        raise ShardError(f"{path}: not a readable safetensors shard ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                         f"{REPAIR_ADVICE}") from e
     if md.get("schema_version") != str(SCHEMA_VERSION):
         raise ShardError(f"{path}: shard schema {md.get('schema_version')!r}, this build reads {SCHEMA_VERSION}")
     meta = json.loads(md.get("meta", "{}"))
@@ -459,11 +569,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
-    try:
-        s = inspect_dir(args.dir)
-    except ShardError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    s = inspect_dir(args.dir)  # a ShardError is reported by cli.main (one line, exit 2)
     if args.json:
         print(json.dumps(s, indent=2, sort_keys=True))
         return 0
@@ -477,5 +583,5 @@ def cli(argv: list[str]) -> int:
     tot = sum(hist) or 1
     print("  accepted length (r+1): " + "  ".join(f"{i + 1}:{h} ({100 * h / tot:.0f}%)" for i, h in enumerate(hist) if h))
     if s["unlisted"]:
-        print(f"  unlisted files (ignored; incomplete writes): {', '.join(s['unlisted'])}")
+        print(f"  unlisted files (ignored: incomplete writes, or damaged shards a resume moved aside): {', '.join(s['unlisted'])}")
     return 0

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from specforge_opd.errors import UserError
+
 #: Validation prompts when the OPD config validates nothing (``opd.val_prompts`` 0).
 DEFAULT_VAL_PROMPTS = 64
 #: Validation points when the OPD export records no refresh curve.
@@ -38,7 +40,7 @@ SOURCES = ("opd_pool", "fresh")
 RECIPES = ("start", "config")
 
 
-class BaselineError(ValueError):
+class BaselineError(UserError, ValueError):
     """A fair baseline cannot be built as asked; the message names the setting and the fix."""
 
 

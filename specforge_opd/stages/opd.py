@@ -39,8 +39,11 @@ import torch
 
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.errors import DiskFullError, is_disk_full
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
 from specforge_opd.rollout.records import accepted_histogram, tau_of
+from specforge_opd.run_fingerprint import check_config_unchanged
+from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also opd.write_report for callers)
 from specforge_opd.stages.plan import (
     OPDPlan,
     PlanError,
@@ -142,9 +145,11 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
         pool_note = f"hub sources {remote} not loaded by a dry run; planning with the configured {pool_size} prompts"
     else:
         pool, stats = _pool(cfg)
-        pool_size, pool_note = len(pool), f"{stats}"
+        pool_size, pool_note = len(pool), stats.summary()
     plan = make_plan(cfg, pool_size, hidden, n_captured)
-    print(f"OPD plan for {cfg.name} (target hidden {hidden}, {n_target} layers; drafter {cfg.draft.num_hidden_layers} layers, block_size {cfg.draft.block_size})")
+    layers = lambda n: f"{n} layer" + ("s" if n != 1 else "")  # noqa: E731
+    print(f"OPD plan for {cfg.name} (target hidden {hidden}, {layers(n_target)}; drafter {layers(cfg.draft.num_hidden_layers)}, "
+          f"block_size {cfg.draft.block_size})")
     print(f"  prompt pool: {pool_size} ({pool_note})")
     for k, v in plan.as_dict().items():
         if "bytes" in k:
@@ -158,12 +163,13 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
     print(f"  initial drafter: {cfg.draft.path}; output: {cfg.output.dir}")
     world = planned_world_size()
     sched = per_rank_schedule(plan, world)
-    print(f"  per rank ({world} ranks): {sched['rollout_prompts_per_iteration']} rollout prompts per iteration, "
+    print(f"  per rank ({world} rank{'s' if world != 1 else ''}): {sched['rollout_prompts_per_iteration']} rollout prompts per iteration, "
           f"{sched['sequences_per_step']} sequences per optimizer step, {sched['total_steps']} steps "
           f"({sched['steps_per_iteration']} per iteration)")
     mem = estimate_rank_memory(cfg, tconf, world)
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-    print(f"  peak GPU memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
+    # the config's intent: a dry run of a GPU config on a laptop still plans GPU memory
+    print(f"  peak {'CPU' if cfg.target.device == 'cpu' else 'GPU'} memory per rank (estimate; a {mem['sequence_tokens']}-token sequence with {mem['blocks']} blocks, "
           f"{mem['blocks_per_forward']} per forward):")
     print(f"    trainer   {gib(mem['trainer_peak']):>10}  = target {gib(mem['target_weights'])} + drafter state "
           f"{gib(mem['drafter_state'])} + sequence {gib(mem['sequence_inputs'])} + replay activations "
@@ -199,7 +205,8 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     ``rollout.backend`` sglang_verify / sglang_native go through ``sglang.rollout_backend``
     (native mode launches the server with ``drafter_dir``, this iteration's drafter).
     Returns stats of the batches rolled out now plus those found done:
-    sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs.
+    sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs, and
+    ``healed``: damaged shards moved aside on resume (their prompts were rolled out again).
     """
     from tqdm import tqdm
 
@@ -258,7 +265,49 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
         "tokens_per_s": new_tokens / seconds if seconds > 0 and new_tokens else None,
         "skipped_too_long": len(getattr(engine, "skipped", []) or []),
         "target_rollout_flops": ledger.target_rollout,
+        "healed": len(writer.healed),
     }
+
+
+def _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step: int, it: int) -> dict:
+    """The shard meta of iteration ``it``'s rollout (``shards`` module docstring)."""
+    from specforge_opd.models.drafter import drafter_layer_ids, drafter_mask_token_id
+
+    return {
+        "target_identity": bundle.identity, "drafter_identity": str(drafter_dir), "drafter_step": drafter_step,
+        "block_size": int(drafter.block_size), "target_layer_ids": drafter_layer_ids(drafter),
+        "mask_token_id": drafter_mask_token_id(drafter), "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+        "top_k": cfg.rollout.top_k, "seed": cfg.rollout.seed + it, "teacher": cfg.rollout.teacher,
+        "anchors": cfg.rollout.anchors, "features": cfg.rollout.store_features, "thinking": cfg.target.thinking,
+        "iteration": it, "target_dtype": cfg.target.dtype,
+    }
+
+
+def _final_rollout(cfg, bundle, prompts, plan: OPDPlan, drafter_dir, spool_root: Path) -> dict:
+    """The final drafter's on-policy tau, on the first iteration's prompts with its seed: the prompts the
+    initial drafter's tau was measured on, so the two compare directly. Rank 0 rolls them all out;
+    the shards go to ``<spool>/final`` (deleted unless ``opd.keep_shards``).
+
+    Returns:
+        ``{"tau", "sequences", "drafter"}``.
+    """
+    from specforge_opd.models.drafter import drafter_mask_token_id, load_any_drafter, read_drafter_metadata
+    from specforge_opd.rollout.engine import SpeculativeEngine
+
+    drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
+    step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+    mine = [(f"{prompts[i][0]}#g{j}", prompts[i][1]) for j, i in enumerate(iteration_prompt_indices(plan, 0, cfg.data.seed))]
+    engine = SpeculativeEngine(
+        bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
+        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
+    )
+    shard_dir = spool_root / "final"
+    print(f"OPD: measuring the final drafter's tau on iteration 1's {len(mine)} prompts", file=sys.stderr)
+    ro = rollout_phase(cfg, engine, bundle, mine, shard_dir, _rollout_meta(cfg, bundle, drafter, drafter_dir, step, 0), step,
+                       drafter_dir=drafter_dir)
+    if not cfg.opd.keep_shards:
+        shutil.rmtree(shard_dir, ignore_errors=True)
+    return {"tau": ro["tau"], "sequences": ro["sequences"], "drafter": str(drafter_dir)}
 
 
 # ---------------------------------------------------------------------------
@@ -266,7 +315,8 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
 
 
 def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[str, list[int]]]] = None,
-            val_prompts: Optional[list[tuple[str, list[int]]]] = None, fault: Optional[str] = None) -> Path:
+            val_prompts: Optional[list[tuple[str, list[int]]]] = None, fault: Optional[str] = None,
+            allow_config_change: bool = False) -> Path:
     """Run (or resume) the whole OPD stage; returns the final drafter directory.
 
     Args:
@@ -277,14 +327,16 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             after the rolled-out ones; ``stages.opd_validation``).
         fault: tests only: ``"rollout:N"`` raises after N rollout shards of the first
             iteration run now; ``"train:N"`` after N optimizer steps.
+        allow_config_change: resume although a field that changes the result differs from
+            the run's start (``run_fingerprint``); the change is recorded.
     Raises:
         PlanError: the plan cannot run (spool budget, schedule).
+        ConfigError: a resume with a changed config (``run_fingerprint.check_config_unchanged``).
         and whatever the rollout, shards and trainer raise on bad input.
     """
     from specforge_opd.data.chat import render_prompt
     from specforge_opd.models.drafter import (
         check_target_dtype,
-        drafter_layer_ids,
         drafter_mask_token_id,
         load_any_drafter,
         read_drafter_metadata,
@@ -297,10 +349,12 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     rank, world = _rank_world()
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_config_unchanged(cfg, out, "opd", allow_change=allow_config_change, write=rank == 0)
     bundle = target if target is not None else load_target(cfg.target)
     tok = bundle.tokenizer
     if prompts is None:
         pool, pool_stats = _pool(cfg, tokenizer=tok)
+        pool_stats = pool_stats.summary()
         # Rendered once: the same chat rendering as SFT capture and evaluation.
         prompts = [(str(p.id), tok(render_prompt(tok, p.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt),
                                    add_special_tokens=False)["input_ids"]) for p in pool]
@@ -393,19 +447,23 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
             max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
         )
-        meta = {
-            "target_identity": bundle.identity, "drafter_identity": str(drafter_dir), "drafter_step": drafter_step,
-            "block_size": int(drafter.block_size), "target_layer_ids": drafter_layer_ids(drafter),
-            "mask_token_id": drafter_mask_token_id(drafter), "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-            "top_k": cfg.rollout.top_k, "seed": cfg.rollout.seed + it, "teacher": cfg.rollout.teacher,
-            "anchors": cfg.rollout.anchors, "features": cfg.rollout.store_features, "thinking": cfg.target.thinking,
-            "iteration": it, "target_dtype": cfg.target.dtype,
-        }
+        meta = _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step, it)
         rcfg = cfg.model_copy(deep=True)
         rcfg.rollout.seed = cfg.rollout.seed + it
         ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir,
                            fault_after_shards=int(fault.split(":")[1]) if fault and fault.startswith("rollout:") else None)
         del engine, drafter
+        healed = ro.pop("healed")
+        if world > 1:
+            flag = torch.tensor([healed], device="cuda" if torch.cuda.is_available() else "cpu")
+            dist.all_reduce(flag)
+            healed = int(flag.item())
+            dist.barrier()
+        if healed and rank == 0 and (it_dir / "train" / "checkpoints").is_dir():
+            # the healed spool holds the same prompts in another order: this iteration's training starts over
+            print(f"OPD: iteration {it + 1}'s shards were healed; its training restarts from the iteration's start",
+                  file=sys.stderr)
+            shutil.rmtree(it_dir / "train" / "checkpoints")
         if world > 1:
             dist.barrier()
         spool_bytes = dir_bytes(spool_root)
@@ -441,7 +499,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             "rollout_histogram": ro["histogram"],
             "rollout_tokens_per_s": ro["tokens_per_s"],
             "rollout_seconds": ro["seconds"],
-            "train_steps": res.steps_run,
+            "train_steps": res.step,  # the iteration's steps, those of earlier (killed) invocations included
             "train_seconds": train_seconds,
             "train_positions_per_s": res.last_metrics.get("positions_per_s"),
             "loss": res.last_metrics.get("loss"),
@@ -466,8 +524,9 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
                     if isinstance(v, (int, float)) and v is not None:
                         tb.add_scalar(f"opd/{k}", v, it)
                 tb.flush()
+            speed = f"{ro['tokens_per_s']:.1f} tok/s" if ro["tokens_per_s"] else "reused from the spool"
             print(f"[iter {it + 1}/{plan.iterations}] rollout tau={ro['tau']:.3f} ({ro['sequences']} seq, "
-                  f"{ro['tokens_per_s'] or 0:.1f} tok/s) | train {res.steps_run} steps, loss={row['loss']} "
+                  f"{speed}) | train {res.step} steps, loss={row['loss']} "
                   f"L_acc={row['L_acc']} L_rej={row['L_rej']} | spool {spool_bytes / 2**20:.1f} MiB", file=sys.stderr)
             if not cfg.opd.keep_shards:
                 shutil.rmtree(spool_root / f"iter_{it:03d}", ignore_errors=True)
@@ -482,6 +541,10 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             state = json.loads(state_path.read_text())
 
     final = out / "final"
+    if (rank == 0 and cfg.opd.final_rollout and state["iterations_done"] == plan.iterations
+            and "final_rollout" not in state):
+        state["final_rollout"] = _final_rollout(cfg, bundle, prompts, plan, state["drafter"], spool_root)
+        atomic_write_json(state_path, state)
     if rank == 0:
         if state["iterations_done"] == 0:
             raise PlanError("no OPD iteration ran")
@@ -499,13 +562,19 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
                   f"{sel['tau']:.3f}); curve: {out / OPD_CURVE_PLOT}", file=sys.stderr)
         tmp = out / ".final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(chosen, tmp)
+        try:
+            shutil.copytree(chosen, tmp)  # keeps the export's modes (0644/0755 under umask 0022)
+        except (OSError, shutil.Error) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(e) or "No space left" in str(e):
+                raise DiskFullError(final, f"copying {chosen}") from e
+            raise
         # the whole run's drafter-training FLOPs and last drafter: what a matched baseline spends and
         # compares with, whichever refresh was selected
         _stamp_metadata(tmp, dict(record, opd_run_flops=state["flops"], opd_last_export=str(state["drafter"])))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        write_report(out)
+        write_report(out, final_rollout=state.get("final_rollout"))
         if tb is not None:
             tb.close()
     return final
@@ -530,49 +599,6 @@ def _tensorboard(cfg, out: Path):
     return SummaryWriter(str(out / "tensorboard" / "opd"))
 
 
-def write_report(out: Path) -> Path:
-    """``report.md`` and ``tau_per_iteration.png`` from ``opd_metrics.jsonl``."""
-    rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines() if l.strip()]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["iteration"] + 1 for r in rows], [r["rollout_tau"] for r in rows], marker="o")
-    ax.set_xlabel("OPD iteration")
-    ax.set_ylabel("on-policy rollout tau")
-    ax.set_title("Accepted length of the current drafter per iteration")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "tau_per_iteration.png", dpi=120)
-    plt.close(fig)
-    lines = [
-        "# OPD report",
-        "",
-        "Rollout tau is measured on-policy: the drafter of the previous iteration decodes this iteration's prompts.",
-        "",
-        "| iter | rollout tau | seqs | rollout tok/s | train steps | loss | L_acc | L_rej | accepted frac | spool MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def f(x, fmt="{:.4f}"):
-        return "-" if x is None else fmt.format(x)
-
-    for r in rows:
-        lines.append(
-            f"| {r['iteration'] + 1} | {r['rollout_tau']:.3f} | {r['rollout_sequences']} | {f(r['rollout_tokens_per_s'], '{:.1f}')} | "
-            f"{r['train_steps']} | {f(r['loss'])} | {f(r['L_acc'])} | {f(r['L_rej'])} | {f(r['accepted_fraction'], '{:.3f}')} | "
-            f"{r['spool_bytes'] / 2**20:.1f} |"
-        )
-    last = rows[-1]["flops"]
-    lines += ["", f"Drafter-training FLOPs of the OPD stage: {last['drafter_budget']:.3e} (teacher lm_head included); "
-              f"target rollout FLOPs: {last['target_rollout']:.3e}.", "", "![tau per iteration](tau_per_iteration.png)", ""]
-    p = out / "report.md"
-    p.write_text("\n".join(lines))
-    return p
-
-
 def cli(argv: list[str]) -> int:
     """``specforge-opd opd -c CFG [overrides] [--dry-run] [--out DIR]``."""
     from specforge_opd.cli import experiment_parser, parse_experiment
@@ -580,11 +606,16 @@ def cli(argv: list[str]) -> int:
     p = experiment_parser("opd", "the iterated OPD stage: rollout -> shards -> distill -> export, repeated")
     p.add_argument("--dry-run", action="store_true", help="print the plan (schedule, spool, drafter) and exit")
     p.add_argument("--drafter", help="shorthand for draft.path (initial drafter)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
     args, cfg = parse_experiment(p, argv, lambda a: {"draft.path": a.drafter})
     if args.dry_run:
         dry_run(cfg)
         return 0
-    final = run_opd(cfg)
+    from specforge_opd.stages.preflight import check_before_target
+
+    check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
+    final = run_opd(cfg, allow_config_change=args.allow_config_change)
     if _rank_world()[0] == 0:
         print(f"OPD done: final drafter {final}; report {Path(cfg.output.dir) / 'report.md'}")
     return 0

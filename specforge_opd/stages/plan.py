@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.errors import UserError
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -42,7 +43,7 @@ class OPDPlan:
         return asdict(self)
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The configuration cannot run as planned; the message names the setting to change."""
 
 

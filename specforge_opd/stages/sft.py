@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,7 +421,6 @@ def dry_run(cfg: ExperimentConfig) -> dict:
 def cli(argv: list[str]) -> int:
     """``specforge-opd sft -c CFG [section.field=value ...] [--dry-run] [--out DIR]``."""
     from specforge_opd.cli import experiment_parser, parse_experiment
-    from specforge_opd.models.drafter import DrafterError
 
     parser = experiment_parser("sft", "the SFT stage on SpecForge (responses, features, train, export)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, draft config and estimates; load nothing")
@@ -430,9 +428,11 @@ def cli(argv: list[str]) -> int:
     if args.dry_run:
         dry_run(cfg)
         return 0
-    try:
-        run_sft(cfg)
-    except (SFTError, DrafterError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    from specforge_opd.stages.preflight import check_drafter, check_prompt_sources, check_writable
+
+    check_writable(cfg.output.dir)  # before the target loads
+    check_prompt_sources(cfg)
+    if cfg.sft.init_drafter:
+        check_drafter(cfg, cfg.sft.init_drafter, field="sft.init_drafter")
+    run_sft(cfg)  # a UserError (SFTError, DrafterError, ...) is reported by cli.main
     return 0

@@ -86,6 +86,9 @@ def _specforge_train_cmd(run_yaml: Path) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # SpecForge's import-time notice: its DFlash trainer does not use flash_attn (cli.quiet_known_noise)
+    quiet = "ignore:flash_attn is not found"
+    env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), quiet) if w)
     return [sys.executable, "-m", specforge_cli_module(), "train", "-c", str(run_yaml)], env
 
 

@@ -10,8 +10,11 @@ Layout under the run's ``out_dir``::
 
 A step directory is written under a temporary name and renamed when every rank
 has finished, and ``latest`` is replaced atomically afterwards, so a kill at any
-moment leaves the previous checkpoint intact. Nothing is unpickled on load:
-DCP tensors, JSON and safetensors only.
+moment leaves the previous checkpoint intact. Nothing from disk is unpickled
+freely on load: DCP's ``.metadata`` goes through the allowlist unpickler of
+``train.safe_dcp`` and its non-tensor entries through ``torch.load(weights_only=True)``;
+the rest is DCP tensors, JSON and safetensors. A full disk while saving raises
+``DiskFullError`` naming the checkpoint and removes the partial step directory.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from specforge_opd.atomic import atomic_write_text
+from specforge_opd.errors import DiskFullError, UserError, is_disk_full
 from specforge_opd.models.drafter import build_drafter, save_drafter
+from specforge_opd.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, incomplete, or belongs to another run; the message says which."""
 
 
@@ -74,6 +79,9 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model, optimizer, t
             during pruning still leaves a complete latest checkpoint.
     Returns:
         The completed step directory.
+    Raises:
+        DiskFullError: the disk filled up; the partial step directory is removed and the
+            previous checkpoint (``latest``) is intact.
     """
     root = Path(ckpt_root)
     final = root / f"step-{step:06d}"
@@ -84,8 +92,15 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model, optimizer, t
         tmp.mkdir()
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    save_file(_rng_state(), str(tmp / f"rng-rank{_rank()}.safetensors"))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        save_file(_rng_state(), str(tmp / f"rng-rank{_rank()}.safetensors"))
+    except Exception as e:
+        # torch's zip writer reports a short write as "unexpected pos", not ENOSPC
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise DiskFullError(final, f"saving the checkpoint of step {step}; the previous checkpoint is kept") from e
+        raise
     _barrier()
     if _rank() == 0:
         atomic_write_text(tmp / STATE_FILE, json.dumps(dict(trainer_state, step=step), indent=2, sort_keys=True))
@@ -126,6 +141,8 @@ def load_checkpoint(step_dir: str | os.PathLike, model, optimizer) -> dict:
 
     Raises:
         CheckpointError: missing trainer state.
+        UnsafeCheckpointError: the DCP metadata names a class a checkpoint never holds
+            (refused without running it; ``train.safe_dcp``).
     """
     d = Path(step_dir)
     state_file = d / STATE_FILE
@@ -133,7 +150,8 @@ def load_checkpoint(step_dir: str | os.PathLike, model, optimizer) -> dict:
         raise CheckpointError(f"{d}: no {STATE_FILE}; not a complete OPD checkpoint")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(d))
+    load_metadata(d / ".metadata")  # refuse a planted file here: DCP would wrap the refusal into its own error
+    dcp.load(state, checkpoint_id=str(d), storage_reader=SafeFileSystemReader(str(d)), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = d / f"rng-rank{_rank()}.safetensors"
     if rng.is_file():

@@ -25,12 +25,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.train.losses import SlotPlan
 
 
-class ReplayError(ValueError):
+class ReplayError(UserError, ValueError):
     """A record cannot be replayed (missing features or teacher signal, wrong shapes)."""
 
 

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import optimizer_and_scheduler
 from specforge_opd.models.drafter import (
     check_compatible,
@@ -71,7 +72,11 @@ from specforge_opd.train.losses import SlotPlan, linear_kl_loss, plan_slots, slo
 from specforge_opd.train.replay import block_groups, recompute_from_target, replay_hidden, slot_teacher
 
 
-class NonFiniteError(RuntimeError):
+class DistillError(UserError, ValueError):
+    """The trainer's inputs do not fit together (no drafter, no shards, shards of another block size or teacher form)."""
+
+
+class NonFiniteError(UserError, RuntimeError):
     """Too many consecutive steps with a NaN/inf loss or gradient; a checkpoint was saved first."""
 
 
@@ -225,7 +230,7 @@ def _initial_drafter(drafter_init, cfg: ExperimentConfig, target_model):
     else:
         path = drafter_init if drafter_init is not None else cfg.draft.path
         if path is None:
-            raise ValueError("no initial drafter: pass --drafter DIR or set draft.path")
+            raise DistillError("no initial drafter: pass --drafter DIR or set draft.path")
         drafter = load_drafter(path, backend, target_config=target_model.config, target_dtype=cfg.target.dtype)
         step0 = int(read_drafter_metadata(path).get("step", 0))
     check_compatible(drafter.config, target_model.config, expected_mask_token_id=cfg.draft.mask_token_id)
@@ -467,7 +472,7 @@ def distill(
         NonFiniteError: ``training.max_nonfinite_steps`` non-finite steps in a row
             (a checkpoint is saved first; the message names the step and shard).
         CheckpointError: the checkpoint to resume belongs to other data or layout.
-        ValueError: no records, or records that do not fit the drafter.
+        DistillError: no records, or records that do not fit the drafter (a ``ValueError``).
     """
     tc = cfg.training
     out = Path(out_dir if out_dir is not None else cfg.output.dir)
@@ -483,20 +488,20 @@ def distill(
         # 2. data
         if records is None:
             if not shard_dirs:
-                raise ValueError("distill needs shard directories (--shards DIR) or records")
+                raise DistillError("distill needs shard directories (--shards DIR) or records")
             records = load_records(shard_dirs, expect={"block_size": bs, "target_layer_ids": layer_ids, "mask_token_id": mask_id,
                                                        "target_dtype": cfg.target.dtype})
         records = [r for r in records if r.num_blocks > 0]
         if tc.accepted_stream == "verified" and any(r.teacher_form() == "token" for r in records):
-            raise ValueError("training.accepted_stream=verified needs the full or topk teacher (the shards hold the "
+            raise DistillError("training.accepted_stream=verified needs the full or topk teacher (the shards hold the "
                              "token teacher, which has no bonus-token distribution); roll out with rollout.teacher=full")
         if not records:
-            raise ValueError("no record with at least one block in the given shards: nothing to train on")
+            raise DistillError("no record with at least one block in the given shards: nothing to train on")
         for r in records:
             if r.block_size != bs:
-                raise ValueError(f"record {r.sample_id}: block_size {r.block_size} != drafter block_size {bs} (draft.block_size)")
+                raise DistillError(f"record {r.sample_id}: block_size {r.block_size} != drafter block_size {bs} (draft.block_size)")
             if tc.feature_source == "shard" and r.features is None:
-                raise ValueError(f"record {r.sample_id} ({r.extra.get('shard_dir', '?')}) has no features: set training.feature_source=target")
+                raise DistillError(f"record {r.sample_id} ({r.extra.get('shard_dir', '?')}) has no features: set training.feature_source=target")
         order = BatchOrder(len(records), tc.batch_size, tc.accumulation_steps, world, tc.num_epochs, tc.seed, tc.shuffle)
         total = order.total_steps
         fingerprint = data_fingerprint(records, order)
@@ -670,26 +675,16 @@ def distill(
         metrics.close()
 
         # 5. export
+        from specforge_opd.eval.flops import opd_replay_ledger
+
         meta = {"step": drafter_step0 + step, "opd_steps": step, "target_dtype": cfg.target.dtype, "loss": tc.loss, "combine": tc.combine, "nonfinite_skipped": skipped_total,
                 "precision": precision.record(), "machine": machine_info(),
-                "flops": _replay_flops(drafter.config, records, cfg.rollout.teacher, step / max(1, order.steps_per_epoch)).to_dict()}
+                "flops": opd_replay_ledger(drafter.config, records, cfg.rollout.teacher, step / max(1, order.steps_per_epoch)).to_dict()}
         export_drafter(drafter, export_dir, metadata=meta, dtype=cfg.target.dtype)
         return DistillResult(out, export_dir, step, total, steps_run, drafter_step0 + step, skipped_total, last_metrics=last)
     finally:
         if initialized_here and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _replay_flops(draft_config, records: list[RolloutRecord], teacher_form: str, epochs: float):
-    """Drafter-training FLOPs of ``epochs`` passes over ``records`` (``flops.opd_replay_flops``)."""
-    from specforge_opd.eval.flops import FlopsLedger, opd_replay_flops
-
-    ledger = FlopsLedger()
-    for r in records:
-        f = opd_replay_flops(draft_config, r.anchors.tolist(), teacher_form=teacher_form)
-        ledger.drafter_train += (f["forward"] + f["backward"]) * epochs
-        ledger.teacher_lm_head += f["teacher_lm_head"] * epochs
-    return ledger
 
 
 def cli(argv: list[str]) -> int:
@@ -700,7 +695,12 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--shards", action="append", required=True, help="shard directory (repeat for several)")
     p.add_argument("--drafter", help="initial drafter, an HF DFlash directory (default draft.path)")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints under --out")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
     args, cfg = parse_experiment(p, argv)
+    from specforge_opd.stages.preflight import before_distill
+
+    before_distill(cfg, args.shards, args.drafter, resume=not args.no_resume, allow_config_change=args.allow_config_change)
     res = distill(cfg, args.shards, args.drafter, None, resume=not args.no_resume)
     if int(os.environ.get("RANK", "0")) == 0:
         if res.already_complete:
