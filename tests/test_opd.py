@@ -132,7 +132,8 @@ def test_opd_validation_curve_selects_the_best_refresh(tmp_path):
         "output.dir": tmp_path / "val", "draft.path": cfg.draft.path, "draft.block_size": 4, "draft.num_hidden_layers": 2,
         "rollout.batch_size": 2, "rollout.max_new_tokens": 10, "opd.prompts_per_step": 2, "opd.prompts_per_iteration": 4,
         "training.num_epochs": 1, "training.checkpoint_interval": 1, "output.tensorboard": "false",
-        "target.max_context": 64, "opd.val_prompts": 3, "training.learning_rate": 3e-2}.items()])
+        "target.max_context": 64, "opd.val_prompts": 3, "training.learning_rate": 3e-2,
+        "opd.final_rollout": "false"}.items()])
     final = run_opd(cfg, target=bundle, prompts=prompts, val_prompts=val)
     out = tmp_path / "val"
     curve = read_curve(out, OPD_CURVE_FILE)
@@ -145,6 +146,8 @@ def test_opd_validation_curve_selects_the_best_refresh(tmp_path):
     want = _params(best["export"])
     assert all(torch.equal(v, want[k]) for k, v in _params(final).items())
     assert (out / "opd_curve.png").read_bytes()[:4] == b"\x89PNG"
+    # opd.final_rollout=false: the curve measured the final drafter; no extra rollout of it
+    assert "final_rollout" not in json.loads((out / "opd_state.json").read_text())
     rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines()]
     assert [r["val_tau"] for r in rows] == [p["tau"] for p in curve[1:]]
     # the validated points are read back, not measured again, when the finished run is started again
