@@ -465,8 +465,8 @@ def load_config(
             raise ConfigError(f"override `{ov}` must look like section.field=value")
         key, val = ov.split("=", 1)
         apply_override(data, key.strip(), _parse_value(val))
-        where_ov = f"{where} + overrides"
-        where = where_ov
+    if overrides:
+        where = f"{where} + overrides"
     for key, val in (flags or {}).items():
         if val is not None:
             apply_override(data, key, val)

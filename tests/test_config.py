@@ -41,3 +41,11 @@ def test_cli_config_typo_exits_nonzero():
     )
     assert r.returncode != 0
     assert "learning_rat" in r.stderr and "learning_rate" in r.stderr
+
+
+def test_validation_error_names_the_overrides_once():
+    from specforge_opd.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["data.seed=1", "output.dir=x", "data.num_prompts=0"])
+    assert str(e.value).count("+ overrides") == 1 and "data.num_prompts" in str(e.value)
