@@ -119,3 +119,61 @@ def test_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match="must be frozen"):
         dflash_objective_terms(torch.zeros(1, 1, 2, 4), torch.zeros(5, 4, requires_grad=True), None,
                                torch.zeros(1, 1, 2, dtype=torch.long), torch.ones(1, 1, 2), torch.ones(1, 1, 2), 0)
+
+
+# --- the SFT stage with the option ---
+
+
+def test_option_keys_the_train_step_only_when_on(tmp_path):
+    from specforge_opd.stages import sft_train
+    from sft_helpers import tiny_cfg
+
+    default = sft_train.sft_training_inputs(tiny_cfg(tmp_path / "a"))
+    assert "lm_head_recompute" not in default  # runs with SpecForge's objective keep their keys
+    on = sft_train.sft_training_inputs(tiny_cfg(tmp_path / "a", **{"sft.lm_head_recompute": "false"}))
+    assert on == dict(default, lm_head_recompute=False)
+
+
+def _losses(out: str) -> dict[int, tuple[float, float]]:
+    """SpecForge's logged (loss, grad_norm) per optimizer step."""
+    return {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in
+            re.finditer(r"^step (\d+): \{.*'loss': ([-0-9.eE+]+), 'grad_norm': ([-0-9.eE+]+)", out, flags=re.M)}
+
+
+def test_sft_stage_trains_and_resumes_with_the_option_as_with_specforge_objective(tmp_path, monkeypatch, capfd):
+    """SpecForge's loop trains with the stored-gradient objective (its model line printed), a killed run resumes
+    from SpecForge's checkpoint without training a step twice, and the logged losses and gradient norms equal those of SpecForge's
+    own objective on the same data (fp32)."""
+    from specforge_opd.stages import sft, sft_train
+    from sft_helpers import make_prompts, make_target_dir, tiny_cfg
+
+    bundle = make_target_dir(tmp_path / "target")
+    prompts = make_prompts(8)
+    over = {"sft.save_interval": 2, "sft.verify_prompts": 0}
+    sft.run_sft(tiny_cfg(tmp_path / "ref", **over), bundle=bundle, prompts=prompts, target_path=bundle.path)
+    ref = capfd.readouterr().out
+    assert "no recompute" not in ref
+
+    cfg = tiny_cfg(tmp_path / "run", **over, **{"sft.lm_head_recompute": "false"})
+    real_call = sft_train.subprocess.call
+
+    def crash_after_4_steps(cmd, **kw):
+        real_call(cmd + ["training.max_steps=4", "training.total_steps=8"], **kw)
+        return 137
+
+    monkeypatch.setattr(sft_train.subprocess, "call", crash_after_4_steps)
+    with pytest.raises(sft.SFTError, match="status 137"):
+        sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    first = capfd.readouterr().out
+    assert "specforge_opd.models.specforge_train train" in first and "no recompute" in first
+    monkeypatch.setattr(sft_train.subprocess, "call", real_call)
+    sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+    second = capfd.readouterr().out
+    assert "resuming SpecForge from sft-step4" in second and "no recompute" in second
+    assert sorted(_losses(second)) == [5, 6, 7, 8]  # no step trained twice
+    ckpts = next((tmp_path / "run").glob("train-*")) / "checkpoints"
+    assert sft_train.latest_checkpoint(ckpts).name == "sft-step8"
+    ours, theirs = {**_losses(first), **_losses(second)}, _losses(ref)
+    assert sorted(ours) == sorted(theirs) == list(range(1, 9))
+    for step in theirs:  # loss and gradient norm of every step, Adam's updates in between
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-4), step
