@@ -4,7 +4,6 @@ drafter gradients as SpecForge's DFlash step on the same batch, and the SFT stag
 from __future__ import annotations
 
 import copy
-import json
 import re
 
 import pytest

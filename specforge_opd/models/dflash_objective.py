@@ -34,20 +34,20 @@ class _StoredGradCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(hidden) if need_grad else None
         step = chunk_rows if chunk_rows > 0 else max(rows, 1)
         for s in range(0, rows, step):
-            h = hidden[s:s + step]
             t = targets[s:s + step]
             w = loss_weights[s:s + step].float()
-            logits = F.linear(h, weight, bias).float()  # fp32 logits are the same tensor: used in place below
+            logits = F.linear(hidden[s:s + step], weight, bias)
+            # argmax of the logits in their own dtype, as SpecForge's accuracy takes it
             correct += ((logits.argmax(dim=-1) == t) & acc_mask[s:s + step]).sum()
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, t[:, None]).squeeze(1)
-            loss_num += ((lse - picked) * w).sum()
+            logp = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+            del logits
+            loss_num -= (logp.gather(1, t[:, None]).squeeze(1) * w).sum()
             if need_grad:
-                # d CE / d logits = softmax - onehot, scaled by the row's weight; logits become it in place
-                p = logits.sub_(lse[:, None]).exp_()
+                # d CE / d logits = softmax - onehot (fp32, in place of logp); the row weight scales the
+                # [rows, H] product rather than the [rows, V] probabilities
+                p = logp.exp_()
                 p[torch.arange(p.shape[0], device=p.device), t] -= 1.0
-                p.mul_(w[:, None])
-                grad[s:s + step] = p.to(weight.dtype) @ weight
+                grad[s:s + step] = (p.to(weight.dtype) @ weight).float().mul_(w[:, None])
         if need_grad:
             ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)

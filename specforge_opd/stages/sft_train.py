@@ -79,16 +79,20 @@ def nodes_from_env(env: Optional[dict] = None) -> Nodes:
     return Nodes(nnodes, num("NODE_RANK", 0, 0, nnodes - 1), str(env["MASTER_ADDR"]), num("MASTER_PORT", 29500, 1, 65535))
 
 
-def _specforge_train_cmd(run_yaml: Path, *, lm_head_recompute: bool = True) -> tuple[list[str], dict]:
-    """(argv, environment) of `python -m specforge.cli train -c run_yaml`, with unbuffered output; with
-    ``lm_head_recompute`` False, the same CLI through ``models.specforge_train`` (its objective not recomputed)."""
+def specforge_train_module(lm_head_recompute: bool = True) -> str:
+    """The module that runs ``<module> train -c run.yaml``: SpecForge's CLI, or with ``lm_head_recompute``
+    False the same CLI through ``models.specforge_train`` (the lm_head objective not recomputed)."""
     from specforge_opd.models.adapter import specforge_cli_module
 
+    return specforge_cli_module() if lm_head_recompute else "specforge_opd.models.specforge_train"
+
+
+def _specforge_train_cmd(run_yaml: Path, *, lm_head_recompute: bool = True) -> tuple[list[str], dict]:
+    """(argv, environment) of `python -m <specforge_train_module> train -c run_yaml`, with unbuffered output."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    module = specforge_cli_module() if lm_head_recompute else "specforge_opd.models.specforge_train"
-    return [sys.executable, "-m", module, "train", "-c", str(run_yaml)], env
+    return [sys.executable, "-m", specforge_train_module(lm_head_recompute), "train", "-c", str(run_yaml)], env
 
 
 def _publish_launch(out: Path, run_yaml: Optional[Path] = None, *, end: bool = False, error: Optional[str] = None) -> None:
