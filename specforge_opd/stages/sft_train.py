@@ -2,8 +2,9 @@
 
 Step 3 of the SFT stage. ``specforge_run_config`` writes SpecForge's run config
 (strategy dflash, offline features) from the experiment config; ``run_train`` runs
-``python -m specforge.cli train -c run.yaml`` and resumes from SpecForge's
-``-latest`` checkpoint when one exists; ``run_train_validated`` runs it in segments
+``python -m specforge.cli train -c run.yaml`` (``sft.lm_head_recompute=false`` on a CPU:
+through ``models.specforge_train``, the same loop without the lm_head recompute) and
+resumes from SpecForge's ``-latest`` checkpoint when one exists; ``run_train_validated`` runs it in segments
 with a validation point after each (``specforge_opd.eval.validation``). Several nodes:
 node 0 publishes each launch in ``LAUNCH_FILE`` and the others join it
 (``nodes_from_env``, ``follow_node0``).
