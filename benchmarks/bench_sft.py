@@ -1,18 +1,24 @@
-"""SFT train-step positions per second: SpecForge's own ``train`` loop against the lm_head-only ceiling.
+"""SFT train-step positions per second: SpecForge's own ``train`` loop, with SpecForge's objective and with
+``sft.lm_head_recompute=false``, against the lm_head-only ceiling.
 
 Each configuration runs the real SFT train step (``python -m specforge.cli train``,
 built by ``sft_train.specforge_run_config``, optimizer and all) for ``--steps`` optimizer
-steps on synthetic offline samples of the embedded target's shapes (speed depends
-on shapes only), and reads SpecForge's logged ``perf/optimizer_step_time_s``
+steps, at each drafter depth (``--layers``, ``target_layer_ids`` unchanged) and each
+objective (``--objectives``: ``specforge``, SpecForge's checkpointed lm_head chunks that
+recompute the logits in the backward; ``stored``, ``sft.lm_head_recompute=false``, the same
+loss and gradients with each chunk's gradient kept from the forward; its rows carry
+``speedup_vs_specforge`` at the same dtype, anchors and depth), on synthetic offline
+samples of the embedded target's shapes (speed depends on shapes only), and reads SpecForge's logged ``perf/optimizer_step_time_s``
 (the first log window, warm-up, is dropped). A position is one drafter slot:
-``num_anchors x block_size`` per step. The ceiling, measured in the same run, is
+``num_anchors x block_size`` per step, counted alike for both objectives (``stored``
+skips the zero-weight anchor slots, part of its gain). The ceiling, measured in the same run, is
 the frozen lm_head alone: logits for the same positions, cross-entropy, and the
 backward into the hidden states (the weight is frozen), in the same dtype with
 the loss in fp32. It is what one step would cost if the drafter were free.
 
 Run alone on a quiet machine (nothing else heavy beside it):
 
-    .venv/bin/python benchmarks/bench_sft.py [--anchors 16,64,128 --dtypes fp32,bf16 --steps 40]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_sft.py [--anchors 128 --layers 1,2,3 --dtypes fp32,bf16 --steps 40]
 
 Writes ``benchmarks/results/bench_sft.json``.
 """
@@ -35,7 +41,7 @@ from specforge_opd.models.draft_config import draft_config_dict, make_draft_conf
 from specforge_opd.models.target import target_dir
 from specforge_opd.precision import machine_info, resolve_sft
 from specforge_opd.stages.sft_features import feature_path
-from specforge_opd.stages.sft_train import specforge_run_config
+from specforge_opd.stages.sft_train import specforge_run_config, specforge_train_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,8 +62,10 @@ def write_samples(d: Path, n: int, seq: int, response: int, width: int, vocab: i
     (d / "manifest.json").write_text(json.dumps({"samples": n, "files": files}))
 
 
-def specforge_step_s(cfg, work: Path, features: Path, n: int, steps: int, log_interval: int) -> float:
-    """Mean optimizer step time (s) that SpecForge logs after its first log window."""
+def specforge_step_s(cfg, work: Path, features: Path, n: int, steps: int, log_interval: int,
+                     lm_head_recompute: bool = True) -> float:
+    """Mean optimizer step time (s) that SpecForge logs after its first log window (``lm_head_recompute``
+    False: through ``models.specforge_train``, as the SFT stage runs ``sft.lm_head_recompute=false``)."""
     from transformers import AutoConfig
 
     tpath = target_dir(cfg)
@@ -73,10 +81,8 @@ def specforge_step_s(cfg, work: Path, features: Path, n: int, steps: int, log_in
     import yaml
 
     (work / "run.yaml").write_text(yaml.safe_dump(run))
-    from specforge_opd.models.adapter import specforge_cli_module
-
-    out = subprocess.run([sys.executable, "-m", specforge_cli_module(), "train", "-c", str(work / "run.yaml")],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", specforge_train_module(lm_head_recompute), "train", "-c",
+                          str(work / "run.yaml")], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"SpecForge train failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     times = [float(m) for m in re.findall(r"'perf/optimizer_step_time_s': ([0-9.eE+-]+)", out.stdout + out.stderr)]
@@ -106,7 +112,10 @@ def lm_head_ceiling_s(weight: torch.Tensor, positions: int, dtype: torch.dtype, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs/tiny/sft.yaml"))
-    ap.add_argument("--anchors", default="16,64,128")
+    ap.add_argument("--anchors", default="128")
+    ap.add_argument("--layers", default="1,2,3", help="drafter depths (draft.num_hidden_layers)")
+    ap.add_argument("--objectives", default="specforge,stored",
+                    help="specforge: SpecForge's objective; stored: sft.lm_head_recompute=false")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--log-interval", type=int, default=10)
@@ -133,17 +142,31 @@ def main() -> None:
             work = Path(tmp)
             write_samples(work / "features", args.samples, args.seq, args.response, width, vocab, torch_dtype)
             for a in (int(x) for x in args.anchors.split(",")):
-                cfg = load_config(args.config, [f"training.mixed_precision={dt}", f"training.num_anchors={a}",
-                                                f"sft.max_steps={args.steps}", "training.lr_scheduler=constant",
-                                                "training.warmup_ratio=0"])
                 positions = min(a, args.response - 1) * base.draft.block_size
-                step = specforge_step_s(cfg, work / f"a{a}", work / "features", args.samples, args.steps, args.log_interval)
                 ceil = lm_head_ceiling_s(weight, positions, torch_dtype)
-                row = {"dtype": dt, "precision": resolve_sft(dt, base.target.dtype, "cpu").record(), "num_anchors": a, "positions_per_step": positions,
-                       "specforge_positions_per_s": positions / step, "lm_head_ceiling_positions_per_s": positions / ceil,
-                       "fraction_of_ceiling": ceil / step}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for layers in (int(x) for x in args.layers.split(",")):
+                    base_s = None
+                    for objective in args.objectives.split(","):
+                        if objective not in ("specforge", "stored"):
+                            raise SystemExit(f"--objectives: {objective!r} is not specforge or stored")
+                        cfg = load_config(args.config, [f"training.mixed_precision={dt}", f"training.num_anchors={a}",
+                                                        f"draft.num_hidden_layers={layers}",
+                                                        f"sft.lm_head_recompute={objective == 'specforge'}",
+                                                        f"sft.max_steps={args.steps}", "training.lr_scheduler=constant",
+                                                        "training.warmup_ratio=0"])
+                        step = specforge_step_s(cfg, work / f"a{a}-l{layers}-{objective}", work / "features",
+                                                args.samples, args.steps, args.log_interval,
+                                                lm_head_recompute=objective == "specforge")
+                        row = {"dtype": dt, "precision": resolve_sft(dt, base.target.dtype, "cpu").record(),
+                               "num_anchors": a, "layers": layers, "objective": objective,
+                               "positions_per_step": positions, "positions_per_s": positions / step,
+                               "lm_head_ceiling_positions_per_s": positions / ceil, "fraction_of_ceiling": ceil / step}
+                        if objective == "specforge":
+                            base_s = step
+                        elif base_s is not None:
+                            row["speedup_vs_specforge"] = base_s / step
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     result = {"machine": machine_info(), "threads": torch.get_num_threads(), "steps": args.steps, "seq": args.seq, "response": args.response,
               "vocab": vocab, "hidden": hidden, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

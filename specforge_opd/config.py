@@ -219,6 +219,12 @@ class SFTConfig(Section):
     #: best point so far, and the same command with a later or no value continues it
     #: (a session's budget; not part of the step's key).
     pause_at_step: Optional[int] = Field(default=None, gt=0)
+    #: True: SpecForge's own DFlash objective, whose checkpointed lm_head chunks recompute the
+    #: logits in the backward (3 vocabulary matmuls per position). False (a CPU option): the
+    #: same loss and gradients (equal in fp32; bf16 softmax in fp32) with each chunk's
+    #: d(loss)/d(hidden) computed in the forward and kept (2 matmuls, zero-weight slots skipped),
+    #: inside SpecForge's own training loop and checkpoints. Ignored with a warning on GPUs.
+    lm_head_recompute: bool = True
 
 
 class OPDConfig(Section):

@@ -49,6 +49,12 @@ def test_nothing_outside_the_sft_stage_imports_sft():
     assert not offenders, offenders
 
 
+def test_the_adapter_is_the_one_module_that_imports_specforge():
+    importers = sorted({_module(f) for f in PKG.rglob("*.py") for mod, _ in _imports(f, top_level_only=False)
+                        if mod == "specforge" or mod.startswith("specforge.")})
+    assert importers == ["models.adapter"], importers
+
+
 def test_no_module_level_import_cycles():
     graph = {}
     for f in PKG.rglob("*.py"):

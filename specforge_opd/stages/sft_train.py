@@ -2,8 +2,9 @@
 
 Step 3 of the SFT stage. ``specforge_run_config`` writes SpecForge's run config
 (strategy dflash, offline features) from the experiment config; ``run_train`` runs
-``python -m specforge.cli train -c run.yaml`` and resumes from SpecForge's
-``-latest`` checkpoint when one exists; ``run_train_validated`` runs it in segments
+``python -m specforge.cli train -c run.yaml`` (``sft.lm_head_recompute=false`` on a CPU:
+through ``models.specforge_train``, the same loop without the lm_head recompute) and
+resumes from SpecForge's ``-latest`` checkpoint when one exists; ``run_train_validated`` runs it in segments
 with a validation point after each (``specforge_opd.eval.validation``). Several nodes:
 node 0 publishes each launch in ``LAUNCH_FILE`` and the others join it
 (``nodes_from_env``, ``follow_node0``).
@@ -79,17 +80,23 @@ def nodes_from_env(env: Optional[dict] = None) -> Nodes:
     return Nodes(nnodes, num("NODE_RANK", 0, 0, nnodes - 1), str(env["MASTER_ADDR"]), num("MASTER_PORT", 29500, 1, 65535))
 
 
-def _specforge_train_cmd(run_yaml: Path) -> tuple[list[str], dict]:
-    """(argv, environment) of `python -m specforge.cli train -c run_yaml`, with unbuffered output."""
+def specforge_train_module(lm_head_recompute: bool = True) -> str:
+    """The module that runs ``<module> train -c run.yaml``: SpecForge's CLI, or with ``lm_head_recompute``
+    False the same CLI through ``models.specforge_train`` (the lm_head objective not recomputed)."""
     from specforge_opd.models.adapter import specforge_cli_module
 
+    return specforge_cli_module() if lm_head_recompute else "specforge_opd.models.specforge_train"
+
+
+def _specforge_train_cmd(run_yaml: Path, *, lm_head_recompute: bool = True) -> tuple[list[str], dict]:
+    """(argv, environment) of `python -m <specforge_train_module> train -c run_yaml`, with unbuffered output."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # SpecForge's import-time notice: its DFlash trainer does not use flash_attn (cli.quiet_known_noise)
     quiet = "ignore:flash_attn is not found"
     env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), quiet) if w)
-    return [sys.executable, "-m", specforge_cli_module(), "train", "-c", str(run_yaml)], env
+    return [sys.executable, "-m", specforge_train_module(lm_head_recompute), "train", "-c", str(run_yaml)], env
 
 
 def _publish_launch(out: Path, run_yaml: Optional[Path] = None, *, end: bool = False, error: Optional[str] = None) -> None:
@@ -174,10 +181,29 @@ def sft_training_inputs(cfg: ExperimentConfig) -> dict:
 
     ``mixed_precision`` enters resolved (``sft_precision``): ``auto`` trains bf16 on one CPU and
     fp32 on another, and a run moved between them must not resume the other's checkpoints.
+    ``lm_head_recompute`` enters only when off (``sft_lm_head_recompute``), so the keys of runs
+    with SpecForge's own objective stay as they were.
     """
     inputs = {k: getattr(cfg.training, k) for k in SFT_TRAINING_FIELDS}
     inputs["mixed_precision"] = sft_precision(cfg).value
+    if not sft_lm_head_recompute(cfg):
+        inputs["lm_head_recompute"] = False
     return inputs
+
+
+def sft_lm_head_recompute(cfg: ExperimentConfig) -> bool:
+    """Whether the SFT train step uses SpecForge's own DFlash objective (its lm_head recomputed in the backward).
+
+    ``sft.lm_head_recompute`` False selects ``models.adapter.StoredGradDFlashModel`` on a CPU; on
+    GPUs it is ignored with a warning (SpecForge's multi-rank launcher starts its own module).
+    """
+    if cfg.sft.lm_head_recompute:
+        return True
+    if on_gpu(cfg):
+        warnings.warn("sft.lm_head_recompute=false applies on a CPU only; the SFT train step on GPUs uses "
+                      "SpecForge's own objective", stacklevel=2)
+        return True
+    return False
 
 
 def on_gpu(cfg: ExperimentConfig) -> bool:
@@ -357,7 +383,7 @@ def run_train(d: Path, run: dict, cfg: ExperimentConfig, gpus: int) -> dict:
     validate_specforge_run(run)
     run_yaml = d / "run.yaml"
     atomic_write_bytes(run_yaml, yaml.safe_dump(run, sort_keys=False).encode())
-    cmd, env = _specforge_train_cmd(run_yaml)
+    cmd, env = _specforge_train_cmd(run_yaml, lm_head_recompute=sft_lm_head_recompute(cfg))
     if run.get("deployment", {}).get("trainer", {}).get("nnodes", 1) > 1:
         _publish_launch(d.parent, run_yaml)  # the other nodes join this launch (follow_node0)
     print(f"[sft train] {' '.join(cmd)}", flush=True)
