@@ -118,6 +118,22 @@ def fresh_slices(sft_cfg, opd_cfg) -> list[int]:
     return free
 
 
+def load_pair(sft_config: str, opd_config: str, overrides: Optional[list[str]] = None):
+    """(SFT config, OPD config, start drafter path): both YAMLs with ``overrides``, and the OPD config's
+    ``draft.path``, where every baseline starts.
+
+    Raises:
+        BaselineError: the OPD config has no ``draft.path``.
+    """
+    from specforge_opd.config import load_config
+
+    sft_cfg = load_config(sft_config, overrides)
+    opd_cfg = load_config(opd_config, overrides)
+    if opd_cfg.draft.path is None:
+        raise BaselineError(f"{opd_config}: draft.path is not set: the baseline starts where OPD started")
+    return sft_cfg, opd_cfg, Path(opd_cfg.resolve_path(opd_cfg.draft.path))
+
+
 def validation_prompts(opd_cfg) -> list:
     """The OPD run's validation prompts (``opd.val_prompts`` held-out prompts of its pool; 64 when it sets none)."""
     from specforge_opd.data.prompts import held_out_prompts
@@ -164,11 +180,7 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
         raise BaselineError(f"source={source!r}: expected one of {SOURCES}")
     if recipe not in RECIPES:
         raise BaselineError(f"recipe={recipe!r}: expected one of {RECIPES}")
-    sft_cfg = load_config(sft_config, overrides)
-    opd_cfg = load_config(opd_config, overrides)
-    if opd_cfg.draft.path is None:
-        raise BaselineError(f"{opd_config}: draft.path is not set: the baseline starts where OPD started")
-    start = Path(opd_cfg.resolve_path(opd_cfg.draft.path))
+    sft_cfg, opd_cfg, start = load_pair(sft_config, opd_config, overrides)
     opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     budget = opd_drafter_flops(opd_final)
     points = val_points or opd_refreshes(opd_final)

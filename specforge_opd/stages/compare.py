@@ -87,15 +87,12 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
     Raises:
         ValueError: an unknown ``baseline``, no ``draft.path`` in the OPD config, or no OPD FLOPs metadata.
     """
+    from specforge_opd.stages.baselines import load_pair
     from specforge_opd.stages.sft import run_sft
 
     if baseline not in ("opd_pool", "sft_data"):
         raise ValueError(f"baseline={baseline!r}: expected opd_pool or sft_data")
-    sft_cfg = load_config(sft_config, overrides)
-    opd_cfg = load_config(opd_config, overrides)
-    if opd_cfg.draft.path is None:
-        raise ValueError(f"{opd_config}: draft.path is not set: the matched baseline starts where OPD started")
-    start = Path(opd_cfg.resolve_path(opd_cfg.draft.path))
+    sft_cfg, opd_cfg, start = load_pair(sft_config, opd_config, overrides)
     sft_out = Path(sft_cfg.resolve_path(sft_cfg.output.dir))
     opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     opd = opd_drafter_flops(opd_final)
