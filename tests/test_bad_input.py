@@ -453,3 +453,24 @@ def test_known_noise_is_silenced_and_other_warnings_are_not():
     rec = logging.LogRecord("transformers.tokenization_utils_base", logging.WARNING, "", 0,
                             "Token indices sequence length is longer than the specified maximum", None, None)
     assert not logging.getLogger("transformers.tokenization_utils_base").filter(rec)
+
+
+@pytest.mark.parametrize("error", ["launcher.ServerError", "contract.ContractError", "wheel.WheelError"])
+def test_sglang_faults_are_one_line(monkeypatch, capsys, error):
+    """A server that does not start, a reply that breaks the contract, a wheel that cannot be fetched: one line
+    naming the fix and exit 2, like every user-facing error."""
+    import importlib
+
+    import specforge_opd.cli as cli
+
+    mod, name = error.split(".")
+    cls = getattr(importlib.import_module(f"specforge_opd.sglang.{mod}"), name)
+
+    def fail(argv):
+        raise cls("field", "the problem") if name == "ContractError" else cls("SGLang server died; see its log")
+
+    monkeypatch.setitem(cli.COMMANDS, "config", ("test_bad_input:_sglang_fail", ""))
+    monkeypatch.setattr(__import__("test_bad_input"), "_sglang_fail", fail, raising=False)
+    assert main(["config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")

@@ -47,6 +47,8 @@ from typing import Any, Optional
 
 import torch
 
+from specforge_opd.errors import UserError
+
 #: The SGLang release the contract was read from (older ones lack DFLASH or aux hidden states).
 MIN_SGLANG_VERSION = "0.5.23"
 
@@ -76,7 +78,7 @@ LOGIT_EDITING_SAMPLING_PARAMS = {
 }
 
 
-class ContractError(ValueError):
+class ContractError(UserError, ValueError):
     """A request or response breaks the contract; names the field, the problem and the server version."""
 
     def __init__(self, field: str, problem: str, server_version: Optional[str] = None):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from specforge_opd.config import SGLangConfig
+from specforge_opd.errors import UserError
 from specforge_opd.sglang.contract import (
     MIN_SGLANG_VERSION,
     parse_pool_tokens,
@@ -37,7 +38,7 @@ from specforge_opd.sglang.sizing import startup_timeout_for
 Mode = Literal["verify", "native", "plain"]
 
 
-class ServerError(RuntimeError):
+class ServerError(UserError, RuntimeError):
     """The SGLang server did not start, died, or is unreachable; the message points at its log."""
 
 

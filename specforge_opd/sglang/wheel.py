@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from specforge_opd.errors import UserError
+
 VERSION = "0.5.23"
 FILE = f"sglang-{VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
 SHA256 = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
@@ -33,7 +35,7 @@ WHEEL_ENV = "SPECFORGE_OPD_SGLANG_WHEEL"
 CI_ENV = "SPECFORGE_OPD_CI"
 
 
-class WheelError(RuntimeError):
+class WheelError(UserError, RuntimeError):
     """The wheel could not be fetched or does not match the pinned sha256."""
 
 
