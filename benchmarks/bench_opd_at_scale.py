@@ -180,13 +180,20 @@ def main() -> int:
     p.add_argument("--sft-config", default="configs/small/sft.yaml")
     p.add_argument("--opd-config", default="configs/small/opd.yaml")
     p.add_argument("--out", default="runs/opd_scale")
-    p.add_argument("--phase", choices=["all", "train", "eval"], default="all")
+    p.add_argument("--phase", choices=["all", "train", "eval", "curves"], default="all",
+                   help="curves: only collect every finished or running run's validation curve into --json")
     p.add_argument("--in-sample", type=int, default=64, help="OPD pool prompts replayed for the in-sample tau")
     p.add_argument("--eval-prompts", type=int, default=None, help="prompts per eval set (default: all of them)")
     p.add_argument("--replicates", type=int, default=2000)
     p.add_argument("--json", help="write the table's data here (e.g. benchmarks/results/opd_at_scale.json)")
     args = p.parse_args()
     out = ROOT / args.out
+    if args.phase == "curves":
+        table = collect_curves(args)
+        print(json.dumps(table["runs"], indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+        return 0
 
     from specforge_opd.config import load_config
     from specforge_opd.models.drafter import drafter_path
@@ -220,6 +227,42 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
     return 0
+
+
+def collect_curves(args) -> dict:
+    """Every run's validation curve so far (OPD: ``opd_curve.jsonl``; baselines: the SFT train step's
+    ``curve.jsonl``), all on the OPD run's held-out validation prompts: a record that survives the runs."""
+    from specforge_opd.eval.validation import read_curve
+    from specforge_opd.precision import machine_info
+    from specforge_opd.stages.opd_validation import OPD_CURVE_FILE
+
+    runs = {}
+    for pool in args.pools:
+        base = ROOT / args.out / f"p{pool}"
+        for seed in args.seeds:
+            for v in args.variants:
+                curve = read_curve(base / f"{v}-s{seed}", OPD_CURVE_FILE)
+                if curve:
+                    runs[f"OPD {v} p{pool} s{seed}"] = {
+                        "kind": "opd", "variant": v, "pool": pool, "seed": seed, "overrides": VARIANTS[v],
+                        "finished": (base / f"{v}-s{seed}" / "final").is_dir(),
+                        "curve": [{k: p[k] for k in ("step", "tau", "drafter_flops", "opd_flops")} for p in curve]}
+            for source in args.baselines:
+                train_dirs = sorted((base / f"sft-{source}-s{seed}").glob("train-*"))
+                curve = read_curve(train_dirs[-1]) if train_dirs else []
+                if curve:
+                    runs[f"SFT fair {source} p{pool} s{seed}"] = {
+                        "kind": "sft", "source": source, "pool": pool, "seed": seed,
+                        "finished": (base / f"sft-{source}-s{seed}" / "final").is_dir(),
+                        "curve": [{k: p[k] for k in ("step", "tau", "drafter_flops")} for p in curve]}
+    for r in runs.values():
+        best = max(r["curve"], key=lambda p: (p["tau"], -p["step"]))
+        r["best_val_tau"], r["best_step"] = best["tau"], best["step"]
+        r["last_val_tau"] = max(r["curve"], key=lambda p: p["step"])["tau"]
+    return {"machine": machine_info(), "command": sys.argv, "config": args.opd_config,
+            "note": "validation tau: exact offline replay at T=0 on the OPD config's held-out validation prompts "
+                    "(opd.val_prompts after data.num_prompts of its pool); OPD step 0 is the start drafter",
+            "runs": runs}
 
 
 def summarize(result: dict, drafters: dict[str, dict], args) -> dict:
