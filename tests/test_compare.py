@@ -159,8 +159,8 @@ def _fake_sft_run(tmp_path, monkeypatch, responses):
     """run_sft stand-in: records its config and budget, writes an export with a 3-point validation curve."""
     seen = {}
 
-    def fake_run_sft(cfg, *, budget_for=None, val_prompts=None, **kw):
-        seen.update(cfg=cfg, budget=budget_for(responses), val=val_prompts)
+    def fake_run_sft(cfg, *, budget_for=None, val_prompts=None, prompts=None, **kw):
+        seen.update(cfg=cfg, budget=budget_for(responses), val=val_prompts, prompts=prompts)
         final = tmp_path / "fair" / "final"
         steps = seen["budget"]["max_steps"]
         curve = [{"step": s, "tau": t, "export": str(tmp_path / "fair" / f"step_{s}"), "drafter_flops": float(s)}
@@ -216,13 +216,22 @@ def test_fair_baseline_continues_with_the_start_recipe(tmp_path, monkeypatch, so
                          captured_here=False).drafter_train
     steps = math.ceil(6.0e9 / per_step)
     assert seen["budget"] == {"max_steps": steps, "val_interval": math.ceil(steps / 3)}
-    # validated on the OPD run's held-out prompts: the 5 after its 12 in the OPD pool
+    # trained on the OPD run's own pool and validated on its held-out prompts (the 5 after its 12), both chosen
+    # as the OPD stage chooses them: with the target's tokenizer dropping long prompts before the shuffle
+    from transformers import AutoTokenizer
+
     from specforge_opd.config import load_config
     from specforge_opd.data.prompts import training_pool
 
     opd_cfg = load_config(str(opd_yaml))
-    pool = training_pool(opd_cfg.data.model_copy(update={"num_prompts": 17}))
-    assert [p.id for p in seen["val"]] == [p.id for p in pool[12:]]
+    tok = AutoTokenizer.from_pretrained(bundle.path)
+    data = opd_cfg.data if source == "opd_pool" else opd_cfg.data.model_copy(update={"slices": [3]})
+    pool = training_pool(data.model_copy(update={"num_prompts": 17}), tokenizer=tok)
+    val_pool = training_pool(opd_cfg.data.model_copy(update={"num_prompts": 17}), tokenizer=tok)
+    assert [p.id for p in seen["val"]] == [p.id for p in val_pool[12:]]
+    assert [p.id for p in seen["prompts"]] == [p.id for p in pool[:12]]
+    # the SFT step keeps every prompt the OPD rollout took (its own limit counts the rendered prompt)
+    assert cfg.data.max_prompt_tokens >= opd_cfg.target.max_context - opd_cfg.rollout.max_new_tokens
     assert cfg.sft.val_prompts == 5
     assert res["matched"] == tmp_path / "fair" / f"step_{steps}" and res["best_val"] == tmp_path / "fair" / "final"
     assert res["selected_step"] == 2 and res["recipe"]["source"].endswith("training_record.json")

@@ -134,12 +134,22 @@ def load_pair(sft_config: str, opd_config: str, overrides: Optional[list[str]] =
     return sft_cfg, opd_cfg, Path(opd_cfg.resolve_path(opd_cfg.draft.path))
 
 
-def validation_prompts(opd_cfg) -> list:
-    """The OPD run's validation prompts (``opd.val_prompts`` held-out prompts of its pool; 64 when it sets none)."""
+def validation_prompts(opd_cfg, tokenizer) -> list:
+    """The OPD run's validation prompts (``opd.val_prompts`` held-out prompts of its pool; 64 when it sets none),
+    chosen as the OPD stage chooses them (``OPDValidation``: the pool filtered with the target's tokenizer)."""
     from specforge_opd.data.prompts import held_out_prompts
 
     n = opd_cfg.opd.val_prompts or DEFAULT_VAL_PROMPTS
-    return held_out_prompts(opd_cfg.data, n, field="opd.val_prompts", cache=opd_cfg.target.cache_dir)
+    return held_out_prompts(opd_cfg.data, n, field="opd.val_prompts", cache=opd_cfg.target.cache_dir, tokenizer=tokenizer)
+
+
+def training_prompts(data_cfg, opd_cfg, tokenizer) -> list:
+    """The prompts a baseline trains on, chosen as the OPD stage chooses its pool (``stages.opd._pool``:
+    prompts longer than ``data.max_prompt_tokens`` dropped with the target's tokenizer before the seeded
+    shuffle and the cap). The SFT stage alone builds its pool without a tokenizer, which keeps another set."""
+    from specforge_opd.data.prompts import training_pool
+
+    return list(training_pool(data_cfg, cache=opd_cfg.target.cache_dir, tokenizer=tokenizer))
 
 
 def opd_refreshes(opd_final: Path) -> int:
@@ -185,7 +195,12 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
     budget = opd_drafter_flops(opd_final)
     points = val_points or opd_refreshes(opd_final)
     out = Path(out or Path(sft_cfg.resolve_path(sft_cfg.output.dir)).parent / f"sft_fair_{source}")
-    val = validation_prompts(opd_cfg)
+    from transformers import AutoTokenizer
+
+    from specforge_opd.models.target import target_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir(opd_cfg))
+    val = validation_prompts(opd_cfg, tokenizer)
     rec, ov, note = None, [], None
     if recipe == "start":
         rec = start_recipe(start)
@@ -202,7 +217,11 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
     else:
         data = sft_cfg.data.model_copy(update={"slices": fresh_slices(sft_cfg, opd_cfg),
                                                "num_prompts": opd_cfg.data.num_prompts, "seed": opd_cfg.data.seed})
-    cfg = cfg.model_copy(update={"data": data})
+    prompts = training_prompts(data, opd_cfg, tokenizer)
+    # every prompt OPD rolled out (prompt + rollout.max_new_tokens <= target.max_context) trains here too: the
+    # SFT step's own limit counts the rendered prompt, the pool's the raw text
+    room = opd_cfg.target.max_context - opd_cfg.rollout.max_new_tokens
+    cfg = cfg.model_copy(update={"data": data.model_copy(update={"max_prompt_tokens": max(room, data.max_prompt_tokens)})})
     chosen: dict = {}
 
     def budget_for(responses: list) -> dict:
@@ -214,7 +233,7 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
               f"{interval} steps -> {out}", file=sys.stderr)
         return {"max_steps": steps, "val_interval": interval}
 
-    final = run_sft(cfg, budget_for=budget_for, val_prompts=val)
+    final = run_sft(cfg, budget_for=budget_for, prompts=prompts, val_prompts=val)
     v = read_drafter_metadata(final)["validation"]
     curve = v["curve"]
     last = max(curve, key=lambda p: p["step"])
