@@ -58,3 +58,14 @@ def tiny_cfg(out: Path, **over):
         "training.mixed_precision=fp32",
     ]
     return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
+
+
+def crash_after(real_call, steps: int, total: int):
+    """A ``subprocess.call`` stand-in for the SFT train step: SpecForge runs ``steps`` of its ``total``
+    optimizer steps (checkpointing as configured), then the process "dies" with status 137."""
+
+    def call(cmd, **kw):
+        real_call(cmd + [f"training.max_steps={steps}", f"training.total_steps={total}"], **kw)
+        return 137
+
+    return call

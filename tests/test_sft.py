@@ -16,7 +16,7 @@ from specforge_opd.rollout import responses
 from specforge_opd.stages import sft, sft_features, sft_train
 
 from conftest import TINY_MASK
-from sft_helpers import STOP, make_prompts, make_target_dir, tiny_cfg
+from sft_helpers import STOP, crash_after, make_prompts, make_target_dir, tiny_cfg
 
 
 @pytest.fixture
@@ -255,13 +255,8 @@ def test_killed_training_resumes_from_specforge_checkpoint(tmp_path, chat_render
     cfg = tiny_cfg(tmp_path / "run", **{"sft.save_interval": 2, "sft.verify_prompts": 0})
     prompts = make_prompts(8)
     real_call = sft_train.subprocess.call
-
-    def crash_after_4_steps(cmd, **kw):
-        # SpecForge runs 4 of its 8 steps (checkpoints at 2 and 4), then the process "dies"
-        real_call(cmd + ["training.max_steps=4", "training.total_steps=8"], **kw)
-        return 137
-
-    monkeypatch.setattr(sft_train.subprocess, "call", crash_after_4_steps)
+    # SpecForge runs 4 of its 8 steps (checkpoints at 2 and 4), then the process "dies"
+    monkeypatch.setattr(sft_train.subprocess, "call", crash_after(real_call, 4, 8))
     with pytest.raises(sft.SFTError, match="status 137.*resumes"):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     ckpts = next((tmp_path / "run").glob("train-*")) / "checkpoints"

@@ -144,7 +144,7 @@ def test_sft_stage_trains_and_resumes_with_the_option_as_with_specforge_objectiv
     from SpecForge's checkpoint without training a step twice, and the logged losses and gradient norms equal those of SpecForge's
     own objective on the same data (fp32)."""
     from specforge_opd.stages import sft, sft_train
-    from sft_helpers import make_prompts, make_target_dir, tiny_cfg
+    from sft_helpers import crash_after, make_prompts, make_target_dir, tiny_cfg
 
     bundle = make_target_dir(tmp_path / "target")
     prompts = make_prompts(8)
@@ -155,12 +155,8 @@ def test_sft_stage_trains_and_resumes_with_the_option_as_with_specforge_objectiv
 
     cfg = tiny_cfg(tmp_path / "run", **over, **{"sft.lm_head_recompute": "false"})
     real_call = sft_train.subprocess.call
-
-    def crash_after_4_steps(cmd, **kw):
-        real_call(cmd + ["training.max_steps=4", "training.total_steps=8"], **kw)
-        return 137
-
-    monkeypatch.setattr(sft_train.subprocess, "call", crash_after_4_steps)
+    # SpecForge runs 4 of its 8 steps (checkpoints at 2 and 4), then the process "dies"
+    monkeypatch.setattr(sft_train.subprocess, "call", crash_after(real_call, 4, 8))
     with pytest.raises(sft.SFTError, match="status 137"):
         sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
     first = capfd.readouterr().out
