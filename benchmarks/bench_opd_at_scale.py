@@ -218,7 +218,10 @@ def main() -> int:
         eval_args += ["--drafter", f"{name}={d['path']}"]
     prompts_ov = f"eval.num_prompts={'null' if args.eval_prompts is None else args.eval_prompts}"
     ev = out / "eval"
+    # eval.batch_size: the trajectory cache decodes in a continuous batch of that many rows (offline replay is exact
+    # whatever the batch)
     sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(ev), "eval.speedup=false", prompts_ov,
+        "eval.batch_size=16",
         f"eval.cache_dir={out / 'trajectory_cache'}", *eval_args], out / "logs" / "eval.log")
     result = json.loads((ev / "eval.json").read_text())
     table = summarize(result, drafters, args)
