@@ -311,3 +311,18 @@ def test_main_job_compares_against_the_fair_baseline(tmp_path, monkeypatch):
     assert seen["drafters"]["SFT + matched-FLOPs SFT"] == tmp_path / "m"
     rec = json.loads(summary.read_text())["baseline_recipe"]
     assert rec["recipe"] == "start" and rec["steps"] == 9 and rec["selected_step"] == 3
+
+
+def test_readme_opd_at_scale_table_is_the_committed_result():
+    """The README's OPD-at-scale table is bench_opd_at_scale.py --render of benchmarks/results/opd_at_scale.json."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_opd_at_scale", root / "benchmarks" / "bench_opd_at_scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    readme = (root / "README.md").read_text()
+    block = readme.split("<!-- opd_at_scale:begin -->")[1].split("<!-- opd_at_scale:end -->")[0].strip()
+    assert block == bench.render(json.loads((root / "benchmarks" / "results" / "opd_at_scale.json").read_text())).strip()
