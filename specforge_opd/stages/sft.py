@@ -45,7 +45,13 @@ from specforge_opd.models.target import target_dir
 from specforge_opd.precision import announce, machine_info
 from specforge_opd.rollout.responses import read_responses, run_responses
 from specforge_opd.stages.plan import estimate_sft
-from specforge_opd.stages.sft_features import MIN_SUPERVISED_TOKENS, drafter_dtype, run_features, sft_precision
+from specforge_opd.stages.sft_features import (
+    MIN_SUPERVISED_TOKENS,
+    drafter_dtype,
+    run_features,
+    sft_precision,
+    subset_features,
+)
 from specforge_opd.stages.sft_train import (
     _publish_launch,
     follow_node0,
@@ -94,15 +100,18 @@ def _load_bundle(cfg: ExperimentConfig):
     return load_target(cfg.target)
 
 
-def _load_prompts(cfg: ExperimentConfig) -> list:
+def _load_prompts(cfg: ExperimentConfig, tokenizer=None) -> list:
+    """The ``data.num_prompts`` prompts SFT trains on: ``prompts.training_pool``, which with the
+    target's ``tokenizer`` drops prompts over ``data.max_prompt_tokens`` before the cap, as the
+    OPD stage's pool does (so the cap counts prompts that fit)."""
     from specforge_opd.data.prompts import training_pool
 
-    pool = list(training_pool(cfg.data))
-    return pool[: cfg.data.num_prompts] if cfg.data.num_prompts is not None else pool
+    return list(training_pool(cfg.data, tokenizer=tokenizer))
 
 
-def _load_val_prompts(cfg: ExperimentConfig) -> list:
-    """``sft.val_prompts`` records of the training pool right after the ``data.num_prompts`` SFT trains on.
+def _load_val_prompts(cfg: ExperimentConfig, tokenizer=None) -> list:
+    """``sft.val_prompts`` records of the training pool right after the ``data.num_prompts`` SFT trains on
+    (the same pool as ``_load_prompts`` with the same ``tokenizer``).
 
     Raises:
         SFTError: ``data.num_prompts`` is unset (the whole pool trains), or the pool has no prompt left.
@@ -110,7 +119,7 @@ def _load_val_prompts(cfg: ExperimentConfig) -> list:
     from specforge_opd.data.prompts import PromptsError, held_out_prompts
 
     try:
-        return held_out_prompts(cfg.data, cfg.sft.val_prompts, field="sft.val_prompts")
+        return held_out_prompts(cfg.data, cfg.sft.val_prompts, field="sft.val_prompts", tokenizer=tokenizer)
     except PromptsError as e:
         raise SFTError(str(e)) from None
 
@@ -192,7 +201,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
 
     # -- responses
     t0 = time.time()
-    records_in = list(prompts) if prompts is not None else _load_prompts(cfg)
+    records_in = list(prompts) if prompts is not None else _load_prompts(cfg, tokenizer)
     if not records_in:
         raise SFTError("sft responses: the training prompt pool is empty (check data.train_sources and data.slices)")
     tokenized, too_long = tokenize_prompts(records_in, tokenizer, cfg)
@@ -219,6 +228,12 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     keyed_step("features", f_dir, f_key, f_inputs,
                lambda: run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg), skipped)
     n_samples = read_marker_stats(f_dir)["samples"]
+    train_dir = f_dir
+    if cfg.sft.train_samples is not None and cfg.sft.train_samples != n_samples:
+        # a data-curve point: the first N samples of the shared step, linked into a directory of their own
+        train_dir = subset_features(f_dir, out / f"features-{f_key}-first{cfg.sft.train_samples}", cfg.sft.train_samples)
+        n_samples = cfg.sft.train_samples
+        print(f"[sft features] training on the first {n_samples} samples (sft.train_samples)", flush=True)
     timings["features"] = time.time() - t0
 
     # -- train
@@ -228,12 +243,14 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     t_inputs = {"features": f_key, "draft": dcfg_dict, "training": sft_training_inputs(cfg),
                 "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus,
                 "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
+    if train_dir != f_dir:
+        t_inputs["train_samples"] = n_samples
     nodes = nodes_from_env()
     if nodes.nnodes > 1:  # the step counts change with the ranks (one node keeps its earlier keys)
         t_inputs["nnodes"] = nodes.nnodes
     val_tok: list = []
     if cfg.sft.val_prompts:
-        val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg)
+        val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg, tokenizer)
         val_tok, _ = tokenize_prompts(val_recs, tokenizer, cfg)
         if not val_tok:
             raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {prompt_limit(cfg)} tokens")
@@ -248,7 +265,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
         # SpecForge's resume contract hashes this file: rewrite only when it changed.
         if not dfile.is_file() or dfile.read_text() != text:
             atomic_write_bytes(dfile, text.encode())
-        run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=f_dir,
+        run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=train_dir,
                                    out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus,
                                    nodes=nodes, init_dir=init_drafter_dir(cfg, t_dir, target_config))
         if not val_tok:

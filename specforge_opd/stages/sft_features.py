@@ -158,3 +158,36 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
     atomic_write_json(d / "manifest.json", stats)
     return {k: v for k, v in stats.items() if k != "files"}
 
+
+
+def subset_features(d: Path, sub: Path, n: int) -> Path:
+    """The first ``n`` samples of the finished feature step ``d`` as their own offline directory ``sub``.
+
+    Files are hard links (a copy where the filesystem has none), so a data curve's points
+    cost no capture and little disk; an existing link is finished work. Returns ``sub``.
+
+    Raises:
+        SFTError: ``d`` holds fewer than ``n`` samples.
+    """
+    import json
+    import os
+    import shutil
+
+    have = json.loads((d / "manifest.json").read_text())["samples"]
+    if n > have:
+        raise SFTError(f"sft.train_samples={n} but the features step holds {have} samples; "
+                       "lower sft.train_samples or raise data.num_prompts")
+    for j in range(n):
+        dst = feature_path(sub, j)
+        if dst.is_file():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".tmp")
+        try:
+            os.link(feature_path(d, j), tmp)
+        except OSError:
+            shutil.copyfile(feature_path(d, j), tmp)
+        os.replace(tmp, dst)
+    atomic_write_json(sub / "manifest.json", {"samples": n, "subset_of": str(d), "format": "specforge_hidden_states_v1",
+                                             "files": [str(feature_path(sub, j).relative_to(sub)) for j in range(n)]})
+    return sub
