@@ -49,3 +49,17 @@ def test_validation_error_names_the_overrides_once():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["data.seed=1", "output.dir=x", "data.num_prompts=0"])
     assert str(e.value).count("+ overrides") == 1 and "data.num_prompts" in str(e.value)
+
+
+def test_every_shipped_config_loads():
+    """Every YAML under configs/ validates against the schema (a new recipe that only a long run reads
+    would otherwise fail hours later)."""
+    from pathlib import Path
+
+    from specforge_opd.config import load_config
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.rglob("*.yaml"))
+    assert len(files) >= 10
+    for f in files:
+        load_config(f)

@@ -1,0 +1,227 @@
+"""Data and depth scaling of the embedded target's drafter: validation tau at a fixed training budget.
+
+Every point trains from scratch with ``configs/small/sft_scaling.yaml`` (first and later ShareGPT
+turns of slice 0, 256 greedy response tokens, 128 anchors, constant LR 1e-3, bf16 where native)
+for the same number of optimizer steps (``sft.pause_at_step``, about 1M drafter positions), and
+differs in one thing:
+
+* ``data1x``, ``data2x``, ``data4x``: the first N samples of one shared responses + features
+  step (``sft.train_samples``), N the smallest prefix whose response tokens reach 1x, 2x, 4x
+  the published drafter's (``--base-tokens``); the largest point takes every sample;
+* ``depth2``, ``depth3``: 2 and 3 drafter layers on the largest data (``target_layer_ids``
+  unchanged).
+
+Then every point's export (the best validation point) and the published drafter are replayed
+offline (T=0) on every prompt of the three evaluation sets beside prompt lookup, on one
+trajectory cache. Positions/s per depth come from ``benchmarks/results/bench_sft.json``
+(measured alone), never from these runs' wall times.
+
+    .venv/bin/python benchmarks/bench_drafter_scaling.py --phase train [--points data1x data2x ...]
+    .venv/bin/python benchmarks/bench_drafter_scaling.py --phase eval
+    .venv/bin/python benchmarks/bench_drafter_scaling.py --render benchmarks/results/drafter_scaling.json
+
+Each phase resumes where it stopped (the SFT stage's own resume). The long run of the best
+point is the same command as the point with ``sft.pause_at_step=null`` (``--long POINT``).
+Writes ``benchmarks/results/drafter_scaling.json`` and ``sft_scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python")
+#: Response tokens the published drafter trained on (its 791 samples of configs/small/sft.yaml).
+BASE_TOKENS = 90_000
+DEPTHS = {"depth2": 2, "depth3": 3}
+DATA = {"data1x": 1, "data2x": 2, "data4x": 4}
+POINTS = tuple(DATA) + tuple(DEPTHS)
+PUBLISHED = "published:smollm2-135m-instruct-dflash-b8"
+
+
+def sh(args: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("+", " ".join(args), f"> {log}", flush=True)
+    with open(log, "a") as f:
+        subprocess.run(args, check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+
+def shared_run(cfg) -> tuple[Path, list[int]]:
+    """The base run's finished responses step and each kept sample's supervised tokens (feature order)."""
+    from specforge_opd.rollout.responses import read_responses
+    from specforge_opd.stages.sft_features import plan_features, supervised_tokens
+    from specforge_opd.stepkeys import is_done
+
+    out = Path(cfg.resolve_path(cfg.output.dir))
+    done = [d for d in sorted(out.glob("responses-*")) if is_done(d, d.name.split("-", 1)[1])]
+    if not done:
+        sys.exit(f"{out}: no finished responses step; run scripts/train_sft.sh {cfg.name and 'configs/small/sft_scaling.yaml'} first")
+    recs = read_responses(done[-1])
+    kept, _ = plan_features(recs, cfg.target.max_context)
+    return done[-1], [supervised_tokens(recs[i], cfg.target.max_context) for i in kept]
+
+
+def samples_for(sup: list[int], tokens: int) -> int:
+    """The smallest prefix of the samples whose response tokens reach ``tokens`` (all of them if none does)."""
+    total = 0
+    for i, n in enumerate(sup):
+        total += n
+        if total >= tokens:
+            return i + 1
+    return len(sup)
+
+
+def point_overrides(name: str, sup: list[int], base_tokens: int) -> tuple[list[str], dict]:
+    """The overrides of a point and what it is: data multiple, samples, response tokens, layers."""
+    if name in DATA:
+        largest = max(DATA.values())
+        n = len(sup) if DATA[name] == largest else samples_for(sup, DATA[name] * base_tokens)
+        layers = 1
+    else:
+        n, layers = len(sup), DEPTHS[name]
+    ov = [f"draft.num_hidden_layers={layers}"] + ([f"sft.train_samples={n}"] if n < len(sup) else [])
+    tokens = sum(sup[:n])
+    return ov, {"layers": layers, "train_samples": n, "response_tokens": tokens, "data_multiple": tokens / base_tokens}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/small/sft_scaling.yaml")
+    p.add_argument("--phase", choices=["train", "eval"], default=None)
+    p.add_argument("--points", nargs="+", default=list(POINTS), choices=POINTS)
+    p.add_argument("--long", choices=POINTS, default=None, help="continue this point past the budget to its plateau")
+    p.add_argument("--out", default="runs/small/scaling")
+    p.add_argument("--eval-config", default="configs/small/opd.yaml", help="its eval section: sets, tokens")
+    p.add_argument("--cache-dir", default="runs/opd_scale/trajectory_cache", help="trajectory cache of the eval sets")
+    p.add_argument("--base-tokens", type=int, default=BASE_TOKENS)
+    p.add_argument("--json", default=str(ROOT / "benchmarks/results/drafter_scaling.json"))
+    p.add_argument("--render", default=None, metavar="JSON", help="print the README table of a result and exit")
+    args = p.parse_args()
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return 0
+
+    from specforge_opd.config import load_config
+
+    cfg = load_config(ROOT / args.config)
+    base = Path(cfg.resolve_path(cfg.output.dir))
+    out = ROOT / args.out
+    _, sup = shared_run(cfg)
+    if args.phase == "train" or args.long:
+        names = [args.long] if args.long else args.points
+        for name in names:
+            ov, _ = point_overrides(name, sup, args.base_tokens)
+            extra = ["sft.pause_at_step=null"] if args.long else []
+            sh([str(ROOT / "scripts/train_sft.sh"), args.config, f"output.dir={out / name}", f"sft.reuse_from={base}",
+                "output.tensorboard=false", *ov, *extra], out / "logs" / f"{name}.log")
+    if args.phase == "eval":
+        table = evaluate(args, cfg, out, sup)
+        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+        plot(table, Path(args.json).with_name("sft_scaling.png"))
+        print(render(table))
+    return 0
+
+
+def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
+    from specforge_opd.eval.stats import bootstrap_mean_tau, counts_of, interval
+    from specforge_opd.models.drafter import read_drafter_metadata
+    from specforge_opd.precision import machine_info
+
+    bench = json.loads((ROOT / "benchmarks/results/bench_sft.json").read_text())
+    speed = {r["layers"]: r["positions_per_s"] for r in bench["rows"]
+             if r.get("objective") == "stored" and r["dtype"] == "bf16" and r["num_anchors"] == cfg.training.num_anchors}
+    points = []
+    for name in args.points:
+        final = out / name / "final"
+        if not final.is_dir():
+            print(f"[scaling] {name}: no export yet, left out", flush=True)
+            continue
+        _, what = point_overrides(name, sup, args.base_tokens)
+        meta = read_drafter_metadata(final)
+        v = meta["validation"]
+        curve = [{"step": q["step"], "tau": q["tau"]} for q in v["curve"]]
+        per_step = cfg.training.num_anchors * cfg.draft.block_size
+        points.append({"name": name, **what, "steps": max(q["step"] for q in curve), "selected_step": v["selected_step"],
+                       "best_val_tau": v["selected_tau"], "val_curve": curve,
+                       "trained_positions_nominal": max(q["step"] for q in curve) * per_step,
+                       "positions_per_s_bf16_stored": speed.get(what["layers"]), "path": str(final)})
+    drafters = ["--drafter", f"published={PUBLISHED}"]
+    for pt in points:
+        drafters += ["--drafter", f"{pt['name']}={pt['path']}"]
+    ev = out / "eval"
+    sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.eval_config, "--out", str(ev), "eval.speedup=false",
+        "eval.num_prompts=null", "eval.batch_size=16", f"eval.cache_dir={ROOT / args.cache_dir}", *drafters],
+       out / "logs" / "eval.log")
+    result = json.loads((ev / "eval.json").read_text())
+    ngram = next(n for n in result["drafters"] if n.startswith("prompt lookup"))
+    names = ["published", *(pt["name"] for pt in points), ngram]
+    reps = bootstrap_mean_tau({n: counts_of(result, n) for n in names}, replicates=2000, seed=0)
+    sets = list(result["drafters"]["published"]["datasets"])
+
+    def row(n):
+        taus = {ds: result["drafters"][n]["datasets"][ds]["tau"] for ds in sets}
+        lo, hi = interval(reps[n])
+        return {"tau": taus, "mean_tau": sum(taus.values()) / len(taus), "ci95": [lo, hi]}
+
+    for pt in points:
+        pt["eval"] = row(pt["name"])
+    pub, ng = row("published"), row(ngram)
+    best = max(points, key=lambda q: q["eval"]["mean_tau"]) if points else None
+    return {"machine": machine_info(), "command": sys.argv, "config": args.config, "base_tokens": args.base_tokens,
+            "eval": {"sets": {ds: result["drafters"]["published"]["datasets"][ds]["num_prompts"] for ds in sets},
+                     "max_new_tokens": result["eval"]["max_new_tokens"], "method": result.get("method")},
+            "published_mean_tau": pub["mean_tau"], "published": pub,
+            "prompt_lookup_mean_tau": ng["mean_tau"], "prompt_lookup": ng,
+            "best_point": best and best["name"], "points": points}
+
+
+def plot(table: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for pt in table["points"]:
+        xs = [q["step"] * 1024 / 1e6 for q in pt["val_curve"]]
+        a.plot(xs, [q["tau"] for q in pt["val_curve"]], marker="o", label=f"{pt['name']} ({pt['layers']} layer, "
+               f"{pt['data_multiple']:.1f}x data)")
+    a.set_xlabel("trained drafter positions (M, nominal)")
+    a.set_ylabel("validation tau (64 held-out pool prompts)")
+    a.legend(fontsize=7)
+    data = [q for q in table["points"] if q["layers"] == 1]
+    b.plot([q["data_multiple"] for q in data], [q["eval"]["mean_tau"] for q in data], marker="o", label="1 layer")
+    for q in table["points"]:
+        if q["layers"] > 1:
+            b.scatter([q["data_multiple"]], [q["eval"]["mean_tau"]], marker="s", label=f"{q['layers']} layers")
+    b.axhline(table["prompt_lookup_mean_tau"], ls="--", c="gray", label="prompt lookup")
+    b.axhline(table["published_mean_tau"], ls=":", c="k", label="published (b8)")
+    b.set_xlabel("response tokens (x the published drafter's)")
+    b.set_ylabel("mean tau, three eval sets")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def render(table: dict) -> str:
+    sets = list(table["eval"]["sets"])
+    lines = [f"Mean tau over every prompt of {', '.join(f'{s} ({n})' for s, n in table['eval']['sets'].items())}, "
+             f"exact offline replay at T=0, {table['eval']['max_new_tokens']} new tokens, 95% bootstrap intervals.", "",
+             "| drafter | layers | response tokens | steps (best) | val tau | " + " | ".join(sets) + " | mean tau [95% CI] |",
+             "|---|---:|---:|---:|---:|" + "---:|" * (len(sets) + 1)]
+    ci = lambda r: f"**{r['mean_tau']:.3f}** [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"  # noqa: E731
+    for name, r in (("published (b8)", table["published"]), ("prompt lookup", table["prompt_lookup"])):
+        lines.append(f"| {name} | - | - | - | - | " + " | ".join(f"{r['tau'][s]:.3f}" for s in sets) + f" | {ci(r)} |")
+    for pt in table["points"]:
+        lines.append(f"| {pt['name']} | {pt['layers']} | {pt['response_tokens'] / 1e3:.0f}K ({pt['data_multiple']:.1f}x) | "
+                     f"{pt['steps']} ({pt['selected_step']}) | {pt['best_val_tau']:.3f} | "
+                     + " | ".join(f"{pt['eval']['tau'][s]:.3f}" for s in sets) + f" | {ci(pt['eval'])} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
