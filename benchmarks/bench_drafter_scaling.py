@@ -116,8 +116,10 @@ def main() -> int:
         for name in names:
             ov, _ = point_overrides(name, sup, args.base_tokens)
             extra = ["sft.pause_at_step=null"] if args.long else []
+            # the base run's validation trajectories serve every point (keyed by target, prompt and budget)
             sh([str(ROOT / "scripts/train_sft.sh"), args.config, f"output.dir={out / name}", f"sft.reuse_from={base}",
-                "output.tensorboard=false", *ov, *extra], out / "logs" / f"{name}.log")
+                f"eval.cache_dir={base / 'val_trajectories'}", "output.tensorboard=false", *ov, *extra],
+               out / "logs" / f"{name}.log")
     if args.phase == "eval":
         table = evaluate(args, cfg, out, sup)
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")

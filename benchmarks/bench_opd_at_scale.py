@@ -139,8 +139,7 @@ def replay_sets(args, drafters: dict[str, dict], pool: int, seed: int) -> None:
     import torch
 
     from specforge_opd.config import load_config
-    from specforge_opd.data.chat import render_prompt
-    from specforge_opd.data.prompts import held_out_prompts, training_pool
+    from specforge_opd.data.prompts import held_out_prompts, prompt_token_ids, training_pool
     from specforge_opd.eval.validation import ValidationSet
     from specforge_opd.models.drafter import load_any_drafter
     from specforge_opd.models.target import load_target
@@ -150,8 +149,7 @@ def replay_sets(args, drafters: dict[str, dict], pool: int, seed: int) -> None:
     tok = bundle.tokenizer
 
     def ids(records):
-        return [tok(render_prompt(tok, r.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt),
-                    add_special_tokens=False)["input_ids"] for r in records]
+        return [prompt_token_ids(tok, r, cfg) for r in records]
 
     val = held_out_prompts(cfg.data, cfg.opd.val_prompts, field="opd.val_prompts", cache=cfg.target.cache_dir, tokenizer=tok)
     train = training_pool(cfg.data, cache=cfg.target.cache_dir, tokenizer=tok)[: args.in_sample]

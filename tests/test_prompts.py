@@ -270,3 +270,19 @@ def test_training_pool_drops_a_later_turn_overlapping_an_eval_set(cache, monkeyp
     pool, stats = prompts.training_pool_with_stats(cfg, cache=cache)
     # the first user turn alone overlaps nothing: the check reads every user turn
     assert [r.id for r in pool] == ["p1#t2", "p2#t2"] and stats.eval_overlap == 1
+
+
+def test_pool_is_built_once_for_the_trained_and_the_held_out_prompts(tmp_path, cache, monkeypatch):
+    rows = [{"instruction": f"Prompt {i} about topic {i * 7}"} for i in range(50)]
+    cfg = _pool_cfg(tmp_path, rows, exclude_eval=[], num_prompts=10)
+    calls = []
+    real = prompts._uncapped_pool
+    monkeypatch.setattr(prompts, "_uncapped_pool", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts._POOL_MEMO.clear()
+    trained = prompts.training_pool(cfg, cache=cache)
+    held = prompts.held_out_prompts(cfg, 5, field="x", cache=cache)
+    assert len(calls) == 1 and len(trained) == 10 and len(held) == 5
+    assert not {r.id for r in trained} & {r.id for r in held}
+    # a changed file is read again, never served from the memo
+    _write_jsonl(tmp_path / "train.jsonl", rows[:20])
+    assert len(prompts.training_pool(cfg.model_copy(update={"num_prompts": None}), cache=cache)) == 20 and len(calls) == 2

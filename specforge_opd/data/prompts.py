@@ -571,6 +571,34 @@ def training_pool_with_stats(
         PromptsError: a slice outside ``[0, num_slices)``, an unknown or
             unavailable source or eval set, or an empty result.
     """
+    files = tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in sorted((data_cfg.local_files or {}).values())
+                  if os.path.isfile(f))
+    key = (data_cfg.model_dump_json(exclude={"num_prompts"}), str(cache), id(tokenizer), files)
+    if _POOL_MEMO.get("key") != key:
+        pool, stats = _uncapped_pool(data_cfg, cache=cache, tokenizer=tokenizer)
+        # the tokenizer is held so that its id is not reused while the entry lives
+        _POOL_MEMO.update(key=key, pool=pool, stats=stats, tokenizer=tokenizer)
+    pool, stats = list(_POOL_MEMO["pool"]), dataclasses.replace(_POOL_MEMO["stats"], loaded=dict(_POOL_MEMO["stats"].loaded))
+    if data_cfg.num_prompts is not None:
+        pool = pool[: data_cfg.num_prompts]
+    stats.kept = len(pool)
+    log.info(
+        "training pool: kept %d of %s; dropped %d overlapping %s, %d duplicates, %d empty, %d in other slices, %d too long",
+        stats.kept, stats.loaded, stats.eval_overlap, data_cfg.exclude_eval, stats.duplicates, stats.empty,
+        stats.other_slices, stats.too_long,
+    )  # fmt: skip
+    if not pool:
+        raise PromptsError(f"the training pool is empty ({stats}); check data.train_sources, data.slices, data.exclude_eval")
+    return pool, stats
+
+
+#: The last uncapped pool built in this process: a stage asks for its prompts and then for the
+#: held-out ones after them (the same pool with a larger cap), and a long pool takes a minute.
+_POOL_MEMO: dict[str, Any] = {}
+
+
+def _uncapped_pool(data_cfg, *, cache, tokenizer) -> tuple[list[PromptRecord], PoolStats]:
+    """``training_pool_with_stats`` before the ``num_prompts`` cap (shuffled; stats without ``kept``)."""
     bad = [s for s in data_cfg.slices if not 0 <= s < data_cfg.num_slices]
     if bad or not data_cfg.slices:
         raise PromptsError(
@@ -610,16 +638,6 @@ def training_pool_with_stats(
                 seen.add(norm)
                 pool.append(r)
     random.Random(data_cfg.seed).shuffle(pool)
-    if data_cfg.num_prompts is not None:
-        pool = pool[: data_cfg.num_prompts]
-    stats.kept = len(pool)
-    log.info(
-        "training pool: kept %d of %s; dropped %d overlapping %s, %d duplicates, %d empty, %d in other slices, %d too long",
-        stats.kept, stats.loaded, stats.eval_overlap, data_cfg.exclude_eval, stats.duplicates, stats.empty,
-        stats.other_slices, stats.too_long,
-    )  # fmt: skip
-    if not pool:
-        raise PromptsError(f"the training pool is empty ({stats}); check data.train_sources, data.slices, data.exclude_eval")
     return pool, stats
 
 
@@ -677,6 +695,13 @@ def render_training_prompt(tokenizer, record, cfg) -> str:
     return render_prompt(tokenizer, messages, thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
 
 
+def prompt_token_ids(tokenizer, record, cfg) -> list[int]:
+    """The token ids of ``render_training_prompt(tokenizer, record, cfg)``: what SFT responses,
+    OPD rollouts and both stages' validation feed the target (the template carries any BOS,
+    so no special tokens are added). Raises what ``render_training_prompt`` raises."""
+    return list(tokenizer(render_training_prompt(tokenizer, record, cfg), add_special_tokens=False)["input_ids"])
+
+
 def prompt_limit(cfg) -> int:
     """The most prompt tokens an SFT sample may have: ``data.max_prompt_tokens``, and room for
     ``sft.max_new_tokens`` response tokens inside ``target.max_context``."""
@@ -703,7 +728,7 @@ def tokenize_prompts(records, tokenizer, cfg) -> tuple[list[tuple[str, list[int]
         )
     out, skipped = [], 0
     for r in records:
-        ids = tokenizer(render_training_prompt(tokenizer, r, cfg), add_special_tokens=False)["input_ids"]
+        ids = prompt_token_ids(tokenizer, r, cfg)
         if len(ids) > limit:
             if cfg.target.too_long == "error":
                 raise SFTError(

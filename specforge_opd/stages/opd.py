@@ -334,7 +334,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         ConfigError: a resume with a changed config (``run_fingerprint.check_config_unchanged``).
         and whatever the rollout, shards and trainer raise on bad input.
     """
-    from specforge_opd.data.chat import render_prompt
+    from specforge_opd.data.prompts import prompt_token_ids
     from specforge_opd.models.drafter import (
         check_target_dtype,
         drafter_mask_token_id,
@@ -356,8 +356,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         pool, pool_stats = _pool(cfg, tokenizer=tok)
         pool_stats = pool_stats.summary()
         # Rendered once: the same chat rendering as SFT capture and evaluation.
-        prompts = [(str(p.id), tok(render_prompt(tok, p.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt),
-                                   add_special_tokens=False)["input_ids"]) for p in pool]
+        prompts = [(str(p.id), prompt_token_ids(tok, p, cfg)) for p in pool]
     else:
         pool_stats = "given by the caller"
     tconf = getattr(bundle.model.config, "text_config", bundle.model.config)

@@ -42,15 +42,12 @@ class OPDValidation:
         from specforge_opd.eval.validation import ValidationSet
 
         if prompts is None:
-            from specforge_opd.data.chat import render_prompt
-            from specforge_opd.data.prompts import held_out_prompts
+            from specforge_opd.data.prompts import held_out_prompts, prompt_token_ids
 
             tok = bundle.tokenizer
             records = held_out_prompts(cfg.data, cfg.opd.val_prompts, field="opd.val_prompts", cache=cfg.target.cache_dir,
                                        tokenizer=tok)
-            prompts = [(str(r.id), tok(render_prompt(tok, r.chat_messages(), thinking=cfg.target.thinking,
-                                                     system_prompt=cfg.target.system_prompt),
-                                       add_special_tokens=False)["input_ids"]) for r in records]
+            prompts = [(str(r.id), prompt_token_ids(tok, r, cfg)) for r in records]
         ids = [list(p) for _, p in prompts]
         self.out = Path(out)
         self.prompt_ids = [i for i, _ in prompts]
