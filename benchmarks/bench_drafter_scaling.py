@@ -94,6 +94,9 @@ def main() -> int:
     p.add_argument("--phase", choices=["train", "eval"], default=None)
     p.add_argument("--points", nargs="+", default=list(POINTS), choices=POINTS)
     p.add_argument("--long", choices=POINTS, default=None, help="continue this point past the budget to its plateau")
+    p.add_argument("--steps", type=int, default=None,
+                   help="budget per point in optimizer steps (default: the config's sft.pause_at_step); a larger one "
+                        "continues the points already trained")
     p.add_argument("--out", default="runs/small/scaling")
     p.add_argument("--eval-config", default="configs/small/opd.yaml", help="its eval section: sets, tokens")
     p.add_argument("--cache-dir", default="runs/opd_scale/trajectory_cache", help="trajectory cache of the eval sets")
@@ -115,7 +118,8 @@ def main() -> int:
         names = [args.long] if args.long else args.points
         for name in names:
             ov, _ = point_overrides(name, sup, args.base_tokens)
-            extra = ["sft.pause_at_step=null"] if args.long else []
+            extra = (["sft.pause_at_step=null"] if args.long
+                     else [f"sft.pause_at_step={args.steps}"] if args.steps else [])
             # the base run's validation trajectories serve every point (keyed by target, prompt and budget)
             sh([str(ROOT / "scripts/train_sft.sh"), args.config, f"output.dir={out / name}", f"sft.reuse_from={base}",
                 f"eval.cache_dir={base / 'val_trajectories'}", "output.tensorboard=false", *ov, *extra],

@@ -90,6 +90,24 @@ def reusable_step(cfg: ExperimentConfig, out: Path, step: str, key: str) -> Path
     return own
 
 
+def donor_steps(cfg: ExperimentConfig, out: Path, step: str, inputs: dict, vary: tuple[str, ...]) -> list[Path]:
+    """Finished ``step`` directories under ``out`` (and ``sft.reuse_from``) whose inputs equal ``inputs``
+    except the fields ``vary``: their parts that match item by item can be reused (a larger pool whose
+    first prompts a finished run already answered). Newest first; unreadable markers are skipped."""
+    roots = [out] + ([Path(cfg.resolve_path(cfg.sft.reuse_from))] if cfg.sft.reuse_from else [])
+    same = json.loads(json.dumps({k: v for k, v in inputs.items() if k not in vary}, sort_keys=True, default=str))
+    found = []
+    for root in roots:
+        for d in root.glob(f"{step}-*"):
+            try:
+                m = json.loads((d / MARKER).read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if {k: v for k, v in (m.get("inputs") or {}).items() if k not in vary} == same:
+                found.append((m.get("finished_at", 0), d))
+    return [d for _, d in sorted(found, key=lambda x: -x[0])]
+
+
 def keyed_step(name: str, d: Path, key: str, inputs: dict, run: Callable[[], dict], skipped: list[str]) -> dict:
     """Run one resumable step: skip it when ``d`` is done under ``key`` (appending ``name`` to ``skipped``),
     else ``run()`` -> stats and mark it done, unless the stats say it paused (``paused_at`` not None: the

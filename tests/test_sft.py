@@ -542,3 +542,42 @@ def test_sft_pool_drops_prompts_over_the_limit_before_the_cap(tmp_path, monkeypa
     with pytest.raises(Stop):
         sft._load_val_prompts(cfg, bundle.tokenizer)
     assert seen == [bundle.tokenizer, bundle.tokenizer]
+
+
+def test_a_grown_pool_reuses_the_finished_chunks_and_samples_of_a_smaller_one(tmp_path, chat_render, monkeypatch):
+    """A run over 10 prompts after a finished run over the first 6 generates only the chunks whose
+    prompts are new and links every feature file whose tokens a finished capture already holds."""
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run")  # chunks of 4 prompts
+    ps = make_prompts(10)
+    _stop_before_train(monkeypatch)
+    with pytest.raises(_Stop):
+        sft.run_sft(cfg, bundle=bundle, prompts=ps[:6], target_path=bundle.path)
+    small_r = next((tmp_path / "run").glob("responses-*"))
+    small_f = next((tmp_path / "run").glob("features-*"))
+
+    real_gen, real_feat = responses.generate_responses, sft_features.feature_sample
+    calls, n_feat = [], []
+    monkeypatch.setattr(responses, "generate_responses", lambda *a, **k: (calls.append(k["sample_ids"]), real_gen(*a, **k))[1])
+    monkeypatch.setattr(sft_features, "feature_sample", lambda *a, **k: (n_feat.append(1), real_feat(*a, **k))[1])
+    with pytest.raises(_Stop):
+        sft.run_sft(cfg, bundle=bundle, prompts=ps, target_path=bundle.path)
+    # chunk 0 (p0-p3) is the small run's; chunk 1 (p4-p7) is not (the small run's held p4, p5 only)
+    assert calls == [["p4", "p5", "p6", "p7"], ["p8", "p9"]]
+    big_r = next(d for d in (tmp_path / "run").glob("responses-*") if d != small_r)
+    assert (big_r / "chunk_00000.jsonl").read_bytes() == (small_r / "chunk_00000.jsonl").read_bytes()
+    big_f = next(d for d in (tmp_path / "run").glob("features-*") if d != small_f)
+    # samples 0-5 hold the same tokens in both (greedy, per-prompt seeding): linked, not captured
+    assert len(n_feat) == 4
+    for j in range(6):
+        assert sft_features.feature_path(big_f, j).stat().st_ino == sft_features.feature_path(small_f, j).stat().st_ino
+    recs = responses.read_responses(big_r)
+    for j, r in enumerate(recs):
+        s = torch.load(sft_features.feature_path(big_f, j), weights_only=True)
+        assert s["input_ids"].tolist() == r.prompt_ids + r.response_ids
+    # another generation setting is no donor
+    other = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"max_new_tokens": 6})})
+    calls.clear()
+    with pytest.raises(_Stop):
+        sft.run_sft(other, bundle=bundle, prompts=ps[:6], target_path=bundle.path)
+    assert calls == [["p0", "p1", "p2", "p3"], ["p4", "p5"]]

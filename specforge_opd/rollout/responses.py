@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from specforge_opd.atomic import atomic_write_bytes
 from specforge_opd.config import ExperimentConfig
@@ -158,11 +158,32 @@ def read_responses(d: Path) -> list[ResponseRecord]:
     return out
 
 
-def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: ExperimentConfig) -> dict:
+def _matching_chunk(donors: Sequence[Path], c: int, part: list[tuple[str, list[int]]]) -> Optional[bytes]:
+    """The bytes of the first donor's ``chunk_<c>.jsonl`` whose records answer exactly ``part``'s prompts, else None."""
+    want = [(str(pid), list(p)) for pid, p in part]
+    for d in donors:
+        f = d / f"chunk_{c:05d}.jsonl"
+        if not f.is_file():
+            continue
+        data = f.read_bytes()
+        try:
+            got = [(str(r["id"]), r["prompt_ids"]) for r in map(json.loads, data.decode().splitlines()) if r]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if got == want:
+            return data
+    return None
+
+
+def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: ExperimentConfig,
+                  donors: Sequence[Path] = ()) -> dict:
     """Generate the responses chunk by chunk; an existing chunk file is finished work and is kept.
 
     Chunk c covers prompts ``[c*chunk, (c+1)*chunk)``; sampling is seeded per
-    prompt id, so a resumed run writes what the uninterrupted one would.
+    prompt id, so a resumed run writes what the uninterrupted one would. ``donors``:
+    finished responses steps with the same generation settings (``stepkeys.donor_steps``);
+    a donor's chunk c whose prompts (ids and tokens, in order) are this chunk's is copied
+    instead of generated, so a grown pool pays only for its new prompts.
     """
     from tqdm import tqdm
 
@@ -176,6 +197,11 @@ def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: 
         if f.is_file():
             continue
         part = tokenized[c * chunk:(c + 1) * chunk]
+        donor = _matching_chunk(donors, c, part)
+        if donor is not None:
+            atomic_write_bytes(f, donor)
+            bar.update(len(part))
+            continue
         # one continuous batch of sft.batch_size rows over the chunk's prompts, in prompt order
         outs = generate_responses(bundle, [p for _, p in part], cfg, seed=cfg.data.seed,
                                   sample_ids=[pid for pid, _ in part], batch_size=cfg.sft.batch_size)

@@ -68,6 +68,7 @@ from specforge_opd.stages.sft_train import (
 from specforge_opd.stepkeys import (  # noqa: F401  (SFTError: the stage's error, raised by every step)
     SFTError,
     dir_bytes,
+    donor_steps,
     hash_inputs,
     keyed_step,
     read_marker_stats,
@@ -214,7 +215,9 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     r_key = hash_inputs(r_inputs)
     r_dir = reusable_step(cfg, out, "responses", r_key)
     keyed_step("responses", r_dir, r_key, r_inputs,
-               lambda: dict(run_responses(r_dir, tokenized, get_bundle(), cfg), prompts_too_long_skipped=too_long), skipped)
+               lambda: dict(run_responses(r_dir, tokenized, get_bundle(), cfg,
+                                          donor_steps(cfg, out, "responses", r_inputs, vary=("prompts", "n"))),
+                            prompts_too_long_skipped=too_long), skipped)
     timings["responses"] = time.time() - t0
     if budget_for is not None:
         cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=budget_for(read_responses(r_dir)))})
@@ -226,7 +229,8 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     f_key = hash_inputs(f_inputs)
     f_dir = reusable_step(cfg, out, "features", f_key)
     keyed_step("features", f_dir, f_key, f_inputs,
-               lambda: run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg), skipped)
+               lambda: run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg,
+                                    donor_steps(cfg, out, "features", f_inputs, vary=("responses",))), skipped)
     n_samples = read_marker_stats(f_dir)["samples"]
     train_dir = f_dir
     if cfg.sft.train_samples is not None and cfg.sft.train_samples != n_samples:

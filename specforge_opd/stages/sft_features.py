@@ -10,9 +10,11 @@ are written atomically one by one, so a killed capture resumes at the first miss
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from specforge_opd.atomic import atomic_write, atomic_write_json
 from specforge_opd.config import ExperimentConfig
@@ -109,12 +111,41 @@ def plan_features(records: list[ResponseRecord], max_context: int) -> tuple[list
     return kept, dropped
 
 
+def _link_donor(donors: Sequence[Path], j: int, ids: list[int], n_prompt: int, dst: Path) -> bool:
+    """Link the first donor's sample ``j`` into ``dst`` when it holds exactly these tokens and loss mask."""
+    import torch
+
+    for d in donors:
+        src = feature_path(d, j)
+        if not src.is_file():
+            continue
+        try:
+            s = torch.load(src, weights_only=True)
+        except Exception:  # a damaged donor file is not ours to judge: capture instead
+            continue
+        if s["input_ids"].tolist() == ids and int(s["loss_mask"][:n_prompt].sum()) == 0 \
+                and int(s["loss_mask"][n_prompt:].sum()) == len(ids) - n_prompt:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+            return True
+    return False
+
+
 def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, layer_ids: list[int],
-                 cfg: ExperimentConfig) -> dict:
+                 cfg: ExperimentConfig, donors: Sequence[Path] = ()) -> dict:
     """Write one feature file per kept sample; an existing file (written atomically) is kept.
 
     The i-th kept sample goes to ``feature_path(d, i)`` in response order, so a
-    resumed run never writes a sample twice. ``manifest.json`` lists counts.
+    resumed run never writes a sample twice. ``manifest.json`` lists counts. ``donors``:
+    finished feature steps with the same target, layers, context and dtype
+    (``stepkeys.donor_steps``); a donor's sample i with exactly this sample's tokens is
+    linked instead of captured (a grown pool captures only its new samples).
 
     Raises:
         SFTError: no sample has >= 2 supervised tokens.
@@ -139,6 +170,10 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
 
     sup = sum(supervised_tokens(records[i], cfg.target.max_context) for i in kept)
     todo = [(j, i) for j, i in enumerate(kept) if not feature_path(d, j).is_file()]
+    if donors:
+        todo = [(j, i) for j, i in todo
+                if not _link_donor(donors, j, sample_ids(records[i], cfg.target.max_context), len(records[i].prompt_ids),
+                                   feature_path(d, j))]
     dtype = drafter_dtype(cfg)
     bar = tqdm(total=len(kept), initial=len(kept) - len(todo), desc="sft features", unit="sample")
     if todo:
@@ -170,8 +205,6 @@ def subset_features(d: Path, sub: Path, n: int) -> Path:
         SFTError: ``d`` holds fewer than ``n`` samples.
     """
     import json
-    import os
-    import shutil
 
     have = json.loads((d / "manifest.json").read_text())["samples"]
     if n > have:
