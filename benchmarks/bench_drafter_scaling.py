@@ -7,7 +7,8 @@ differs in one thing:
 
 * ``data1x``, ``data2x``, ``data4x``: the first N samples of one shared responses + features
   step (``sft.train_samples``), N the smallest prefix whose response tokens reach 1x, 2x, 4x
-  the published drafter's (``--base-tokens``); the largest point takes every sample;
+  the published drafter's (``--base-tokens``); the largest point takes every sample and is
+  the config's own run (``scripts/train_sft.sh configs/small/sft_scaling.yaml``);
 * ``depth2``, ``depth3``: 2 and 3 drafter layers on the largest data (``target_layer_ids``
   unchanged).
 
@@ -40,6 +41,8 @@ BASE_TOKENS = 90_000
 DEPTHS = {"depth2": 2, "depth3": 3}
 DATA = {"data1x": 1, "data2x": 2, "data4x": 4}
 POINTS = tuple(DATA) + tuple(DEPTHS)
+#: The point that is the config's own run (every sample, 1 layer): trained in its output.dir.
+BASE_POINT = "data4x"
 PUBLISHED = "published:smollm2-135m-instruct-dflash-b8"
 
 
@@ -120,10 +123,11 @@ def main() -> int:
             ov, _ = point_overrides(name, sup, args.base_tokens)
             extra = (["sft.pause_at_step=null"] if args.long
                      else [f"sft.pause_at_step={args.steps}"] if args.steps else [])
-            # the base run's validation trajectories serve every point (keyed by target, prompt and budget)
-            sh([str(ROOT / "scripts/train_sft.sh"), args.config, f"output.dir={out / name}", f"sft.reuse_from={base}",
-                f"eval.cache_dir={base / 'val_trajectories'}", "output.tensorboard=false", *ov, *extra],
-               out / "logs" / f"{name}.log")
+            where = [] if name == BASE_POINT else [
+                f"output.dir={out / name}", f"sft.reuse_from={base}", "output.tensorboard=false",
+                # the base run's validation trajectories serve every point (keyed by target, prompt and budget)
+                f"eval.cache_dir={base / 'val_trajectories'}"]
+            sh([str(ROOT / "scripts/train_sft.sh"), args.config, *where, *ov, *extra], out / "logs" / f"{name}.log")
     if args.phase == "eval":
         table = evaluate(args, cfg, out, sup)
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
@@ -142,7 +146,7 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
              if r.get("objective") == "stored" and r["dtype"] == "bf16" and r["num_anchors"] == cfg.training.num_anchors}
     points = []
     for name in args.points:
-        final = out / name / "final"
+        final = (base if name == BASE_POINT else out / name) / "final"
         if not final.is_dir():
             print(f"[scaling] {name}: no export yet, left out", flush=True)
             continue
