@@ -141,6 +141,7 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
     from specforge_opd.models.drafter import read_drafter_metadata
     from specforge_opd.precision import machine_info
 
+    base = Path(cfg.resolve_path(cfg.output.dir))
     bench = json.loads((ROOT / "benchmarks/results/bench_sft.json").read_text())
     speed = {r["layers"]: r["positions_per_s"] for r in bench["rows"]
              if r.get("objective") == "stored" and r["dtype"] == "bf16" and r["num_anchors"] == cfg.training.num_anchors}
