@@ -57,10 +57,10 @@ def shared_run(cfg) -> tuple[Path, list[int]]:
     """The base run's finished responses step and each kept sample's supervised tokens (feature order)."""
     from specforge_opd.rollout.responses import read_responses
     from specforge_opd.stages.sft_features import plan_features, supervised_tokens
-    from specforge_opd.stepkeys import is_done
+    from specforge_opd.stepkeys import MARKER
 
     out = Path(cfg.resolve_path(cfg.output.dir))
-    done = [d for d in sorted(out.glob("responses-*")) if is_done(d, d.name.split("-", 1)[1])]
+    done = sorted((d for d in out.glob("responses-*") if (d / MARKER).is_file()), key=lambda d: (d / MARKER).stat().st_mtime)
     if not done:
         sys.exit(f"{out}: no finished responses step; run scripts/train_sft.sh {cfg.name and 'configs/small/sft_scaling.yaml'} first")
     recs = read_responses(done[-1])
