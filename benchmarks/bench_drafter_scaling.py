@@ -202,7 +202,7 @@ def plot(table: dict, path: Path) -> None:
         a.plot(xs, [q["tau"] for q in pt["val_curve"]], marker="o", label=f"{pt['name']} ({pt['layers']} layer, "
                f"{pt['data_multiple']:.1f}x data)")
     a.set_xlabel("trained drafter positions (M, nominal)")
-    a.set_ylabel("validation tau (64 held-out pool prompts)")
+    a.set_ylabel("validation tau (held-out pool prompts)")
     a.legend(fontsize=7)
     data = [q for q in table["points"] if q["layers"] == 1]
     b.plot([q["data_multiple"] for q in data], [q["eval"]["mean_tau"] for q in data], marker="o", label="1 layer")
