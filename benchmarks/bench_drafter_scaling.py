@@ -53,7 +53,7 @@ def sh(args: list[str], log: Path) -> None:
         subprocess.run(args, check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
 
 
-def shared_run(cfg) -> tuple[Path, list[int]]:
+def shared_run(cfg, config: str) -> tuple[Path, list[int]]:
     """The base run's finished responses step and each kept sample's supervised tokens (feature order)."""
     from specforge_opd.rollout.responses import read_responses
     from specforge_opd.stages.sft_features import plan_features, supervised_tokens
@@ -62,7 +62,7 @@ def shared_run(cfg) -> tuple[Path, list[int]]:
     out = Path(cfg.resolve_path(cfg.output.dir))
     done = sorted((d for d in out.glob("responses-*") if (d / MARKER).is_file()), key=lambda d: (d / MARKER).stat().st_mtime)
     if not done:
-        sys.exit(f"{out}: no finished responses step; run scripts/train_sft.sh {cfg.name and 'configs/small/sft_scaling.yaml'} first")
+        sys.exit(f"{out}: no finished responses step; run scripts/train_sft.sh {config} first")
     recs = read_responses(done[-1])
     kept, _ = plan_features(recs, cfg.target.max_context)
     return done[-1], [supervised_tokens(recs[i], cfg.target.max_context) for i in kept]
@@ -116,7 +116,7 @@ def main() -> int:
     cfg = load_config(ROOT / args.config)
     base = Path(cfg.resolve_path(cfg.output.dir))
     out = ROOT / args.out
-    _, sup = shared_run(cfg)
+    _, sup = shared_run(cfg, args.config)
     if args.phase == "train" or args.long:
         names = [args.long] if args.long else args.points
         for name in names:

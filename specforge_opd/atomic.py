@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
@@ -63,6 +64,28 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
             raise DiskFullError(path) from e
         raise
     fsync_dir(path.parent)
+
+
+def atomic_link(src: Path, dst: Path) -> None:
+    """Make ``dst`` the file ``src``: a hard link under a temporary name renamed into place, or,
+    where the filesystem links nothing across (another device, no hard links), an atomic copy.
+
+    Raises:
+        DiskFullError: the copy filled the disk (``dst`` untouched, as ``atomic_write``).
+    """
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.link-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        with open(src, "rb") as f:
+            atomic_write(dst, lambda out: shutil.copyfileobj(f, out))
+        return
+    os.replace(tmp, dst)
+    fsync_dir(dst.parent)
 
 
 def private_dir_to_umask(path: Path) -> Path:

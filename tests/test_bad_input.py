@@ -474,3 +474,20 @@ def test_sglang_faults_are_one_line(monkeypatch, capsys, error):
     assert main(["config"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
+
+
+def test_atomic_link_links_or_copies_and_never_leaves_a_partial_file(tmp_path, monkeypatch):
+    from specforge_opd import atomic
+
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"features")
+    atomic.atomic_link(src, tmp_path / "sub" / "b.bin")
+    assert (tmp_path / "sub" / "b.bin").stat().st_ino == src.stat().st_ino
+    # where the filesystem links nothing, an atomic copy with the same bytes
+    def no_link(*a, **k):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_link)
+    atomic.atomic_link(src, tmp_path / "c.bin")
+    assert (tmp_path / "c.bin").read_bytes() == b"features" and (tmp_path / "c.bin").stat().st_ino != src.stat().st_ino
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "c.bin", "sub"]

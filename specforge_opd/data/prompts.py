@@ -223,12 +223,17 @@ def iter_truncated_json_array(text: str) -> Iterator[Any]:
         yield obj
 
 
+#: ShareGPT's speaker names -> chat roles (an unknown speaker maps to None).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "system": "system", "gpt": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant"}
+
+
 def _sharegpt_record(conv: dict) -> Optional[PromptRecord]:
     """The first user turn (with a leading system turn) of a conversation that starts with one."""
     turns = conv.get("conversations") or []
     messages = []
     for t in turns:
-        role = {"human": "user", "user": "user", "system": "system"}.get(t.get("from"))
+        role = SHAREGPT_ROLES.get(t.get("from"))
         if role == "system" and not messages:
             messages.append({"role": "system", "content": t.get("value") or ""})
             continue
@@ -255,8 +260,7 @@ def _sharegpt_later_turns(conv: dict) -> list[PromptRecord]:
     messages: list[dict] = []
     out = []
     for t in turns:
-        role = {"human": "user", "user": "user", "system": "system", "gpt": "assistant",
-                "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}.get(t.get("from"))
+        role = SHAREGPT_ROLES.get(t.get("from"))
         text = t.get("value") or ""
         if role == "system" and not messages:
             messages.append({"role": "system", "content": text})
@@ -571,8 +575,8 @@ def training_pool_with_stats(
         PromptsError: a slice outside ``[0, num_slices)``, an unknown or
             unavailable source or eval set, or an empty result.
     """
-    files = tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in sorted((data_cfg.local_files or {}).values())
-                  if os.path.isfile(f))
+    files = tuple((f, st.st_mtime_ns, st.st_size) for f in sorted((data_cfg.local_files or {}).values())
+                  if os.path.isfile(f) and (st := os.stat(f)))
     key = (data_cfg.model_dump_json(exclude={"num_prompts"}), str(cache), id(tokenizer), files)
     if _POOL_MEMO.get("key") != key:
         pool, stats = _uncapped_pool(data_cfg, cache=cache, tokenizer=tokenizer)
@@ -619,15 +623,16 @@ def _uncapped_pool(data_cfg, *, cache, tokenizer) -> tuple[list[PromptRecord], P
         recs = load_source(name, cache=cache, local_files=data_cfg.local_files)
         stats.loaded[name] = len(recs)
         for r in recs:
+            first = normalize_text(r.text())
             norm = normalize_text(r.context_text())
-            if not normalize_text(r.text()):
+            if not first:
                 stats.empty += 1
             elif norm in seen:
                 stats.duplicates += 1
             elif any(index.overlaps(t) for t in r.user_texts()):
                 seen.add(norm)
                 stats.eval_overlap += 1
-            elif slice_of(normalize_text(r.text()), data_cfg.num_slices) not in wanted:
+            elif slice_of(first, data_cfg.num_slices) not in wanted:
                 seen.add(norm)
                 stats.other_slices += 1
             elif (tokenizer is not None

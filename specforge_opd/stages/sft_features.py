@@ -10,13 +10,11 @@ are written atomically one by one, so a killed capture resumes at the first miss
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from specforge_opd.atomic import atomic_write, atomic_write_json
+from specforge_opd.atomic import atomic_link, atomic_write, atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.rollout.responses import ResponseRecord
 from specforge_opd.stepkeys import SFTError
@@ -120,19 +118,13 @@ def _link_donor(donors: Sequence[Path], j: int, ids: list[int], n_prompt: int, d
         if not src.is_file():
             continue
         try:
-            s = torch.load(src, weights_only=True)
+            # mmap: only the token ids and the mask are read, not the hidden states
+            s = torch.load(src, weights_only=True, mmap=True)
         except Exception:  # a damaged donor file is not ours to judge: capture instead
             continue
         if s["input_ids"].tolist() == ids and int(s["loss_mask"][:n_prompt].sum()) == 0 \
                 and int(s["loss_mask"][n_prompt:].sum()) == len(ids) - n_prompt:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(dst.name + ".tmp")
-            tmp.unlink(missing_ok=True)
-            try:
-                os.link(src, tmp)
-            except OSError:
-                shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)
+            atomic_link(src, dst)
             return True
     return False
 
@@ -194,7 +186,6 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
     return {k: v for k, v in stats.items() if k != "files"}
 
 
-
 def subset_features(d: Path, sub: Path, n: int) -> Path:
     """The first ``n`` samples of the finished feature step ``d`` as their own offline directory ``sub``.
 
@@ -212,15 +203,8 @@ def subset_features(d: Path, sub: Path, n: int) -> Path:
                        "lower sft.train_samples or raise data.num_prompts")
     for j in range(n):
         dst = feature_path(sub, j)
-        if dst.is_file():
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".tmp")
-        try:
-            os.link(feature_path(d, j), tmp)
-        except OSError:
-            shutil.copyfile(feature_path(d, j), tmp)
-        os.replace(tmp, dst)
+        if not dst.is_file():
+            atomic_link(feature_path(d, j), dst)
     atomic_write_json(sub / "manifest.json", {"samples": n, "subset_of": str(d), "format": "specforge_hidden_states_v1",
                                              "files": [str(feature_path(sub, j).relative_to(sub)) for j in range(n)]})
     return sub
