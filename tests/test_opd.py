@@ -157,3 +157,11 @@ def test_opd_validation_curve_selects_the_best_refresh(tmp_path):
     assert (out / OPD_CURVE_FILE).read_text() == before
     last = _params(curve[2]["export"])
     assert all(torch.equal(v, last[k]) for k, v in _params(out / "final").items())
+    # a finished run without refresh points (validation switched on after it ran) measures them on resume
+    # instead of failing at the export with nothing to select
+    (out / OPD_CURVE_FILE).write_text(before.splitlines(keepends=True)[0])
+    run_opd(cfg, target=bundle, prompts=prompts, val_prompts=val)
+    again = read_curve(out, OPD_CURVE_FILE)
+    assert [(p["step"], p["tau"], p["export"]) for p in again] == [(p["step"], p["tau"], p["export"]) for p in curve]
+    assert [p["opd_flops"] for p in again] == pytest.approx([p["opd_flops"] for p in curve])
+    assert [p["drafter_flops"] for p in again] == pytest.approx([p["drafter_flops"] for p in curve])

@@ -426,12 +426,13 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     tb = _tensorboard(cfg, out) if rank == 0 else None
     validation = None
     if cfg.opd.val_prompts and rank == 0:
-        from specforge_opd.stages.opd_validation import OPDValidation
+        from specforge_opd.stages.opd_validation import OPDValidation, backfill_refreshes
 
         validation = OPDValidation(cfg, bundle, out, prompts=val_prompts)
         # point 0: the start, so the curve shows what OPD adds to it
         validation.point(0, initial_drafter, drafter_flops=FlopsLedger.from_dict(initial_meta.get("flops")).drafter_budget,
                          opd_flops=0.0)
+        backfill_refreshes(validation, out, state["iterations_done"])
 
     for it in range(state["iterations_done"], plan.iterations):
         it_dir = out / f"iter_{it:03d}"

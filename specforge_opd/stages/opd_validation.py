@@ -82,6 +82,29 @@ class OPDValidation:
         return p
 
 
+def backfill_refreshes(validation, out: Path, iterations_done: int) -> None:
+    """Measure every finished refresh that has no validation point yet.
+
+    A run finished with ``opd.val_prompts`` 0 (or by a version without validation) and
+    resumed with it on would otherwise reach the export with no refresh to select. Each
+    iteration's export (``out/iter_NNN/train/final``) is kept, and its metadata holds the
+    cumulative and stage FLOPs the loop records. Points already measured are read back.
+
+    Args:
+        validation: the stage's ``OPDValidation`` (``point(step, drafter_dir, ...)``).
+        out: the OPD run's ``output.dir``.
+        iterations_done: refreshes finished (``opd_state.json``).
+    """
+    from specforge_opd.models.drafter import read_drafter_metadata
+    from specforge_opd.eval.flops import FlopsLedger
+
+    for it in range(iterations_done):
+        export = Path(out) / f"iter_{it:03d}" / "train" / "final"
+        meta = read_drafter_metadata(export)
+        validation.point(it + 1, export, drafter_flops=FlopsLedger.from_dict(meta.get("flops")).drafter_budget,
+                         opd_flops=FlopsLedger.from_dict(meta.get("opd_flops")).drafter_budget)
+
+
 def select_refresh(curve: list[dict], rule: str) -> dict:
     """The refresh to export among the OPD points (step >= 1) of ``curve`` (``validation.select``'s rules).
 
