@@ -22,7 +22,8 @@ trajectory cache. Positions/s per depth come from ``benchmarks/results/bench_sft
     .venv/bin/python benchmarks/bench_drafter_scaling.py --render benchmarks/results/drafter_scaling.json
 
 Each phase resumes where it stopped (the SFT stage's own resume). The long run of the best
-point is the same command as the point with ``sft.pause_at_step=null`` (``--long POINT``).
+point is the same command as the point with ``sft.pause_at_step=null`` (``--long POINT``); the evaluation keeps that point at the budget
+(its best validation export up to it) and adds the whole run as ``POINT-long``.
 Writes ``benchmarks/results/drafter_scaling.json`` and ``sft_scaling.png``.
 """
 
@@ -136,6 +137,34 @@ def main() -> int:
     return 0
 
 
+def budget_and_long(name: str, curve: list[dict], budget: int, final: Path) -> list[dict]:
+    """The rows of one point's validation curve: the fixed-budget point and, past the budget, the long run.
+
+    A point continued past ``budget`` steps (``--long``) stays a fixed-budget point: its
+    best validation export among the steps up to the budget, as the paused run exported.
+    The whole run is a row of its own, ``<name>-long``, whose drafter is the run's export
+    ``final`` (the best point of the whole curve).
+
+    Args:
+        curve: the export's ``validation.curve`` (``step``, ``tau``, ``export`` per point).
+        budget: the curve points' optimizer-step budget (``sft.pause_at_step``).
+
+    Returns:
+        One or two dicts: ``name``, ``steps`` (last step), ``selected_step``, ``best_val_tau``,
+        ``val_curve`` (step, tau), ``path`` (the drafter to evaluate).
+    """
+    runs = [(name, [q for q in curve if q["step"] <= budget], None)]
+    if max(q["step"] for q in curve) > budget:
+        runs.append((f"{name}-long", curve, final))
+    rows = []
+    for label, pts, path in runs:
+        sel = max(pts, key=lambda q: (q["tau"], -q["step"]))
+        rows.append({"name": label, "steps": max(q["step"] for q in pts), "selected_step": sel["step"],
+                     "best_val_tau": sel["tau"], "val_curve": [{"step": q["step"], "tau": q["tau"]} for q in pts],
+                     "path": str(path or sel["export"])})
+    return rows
+
+
 def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
     from specforge_opd.eval.stats import bootstrap_mean_tau, counts_of, interval
     from specforge_opd.models.drafter import read_drafter_metadata
@@ -145,6 +174,8 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
     bench = json.loads((ROOT / "benchmarks/results/bench_sft.json").read_text())
     speed = {r["layers"]: r["positions_per_s"] for r in bench["rows"]
              if r.get("objective") == "stored" and r["dtype"] == "bf16" and r["num_anchors"] == cfg.training.num_anchors}
+    budget = args.steps or cfg.sft.pause_at_step
+    per_step = cfg.training.num_anchors * cfg.draft.block_size
     points = []
     for name in args.points:
         final = (base if name == BASE_POINT else out / name) / "final"
@@ -152,14 +183,9 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
             print(f"[scaling] {name}: no export yet, left out", flush=True)
             continue
         _, what = point_overrides(name, sup, args.base_tokens)
-        meta = read_drafter_metadata(final)
-        v = meta["validation"]
-        curve = [{"step": q["step"], "tau": q["tau"]} for q in v["curve"]]
-        per_step = cfg.training.num_anchors * cfg.draft.block_size
-        points.append({"name": name, **what, "steps": max(q["step"] for q in curve), "selected_step": v["selected_step"],
-                       "best_val_tau": v["selected_tau"], "val_curve": curve,
-                       "trained_positions_nominal": max(q["step"] for q in curve) * per_step,
-                       "positions_per_s_bf16_stored": speed.get(what["layers"]), "path": str(final)})
+        for row in budget_and_long(name, read_drafter_metadata(final)["validation"]["curve"], budget, final):
+            points.append({**row, **what, "trained_positions_nominal": row["steps"] * per_step,
+                           "positions_per_s_bf16_stored": speed.get(what["layers"])})
     drafters = ["--drafter", f"published={PUBLISHED}"]
     for pt in points:
         drafters += ["--drafter", f"{pt['name']}={pt['path']}"]
@@ -204,11 +230,16 @@ def plot(table: dict, path: Path) -> None:
     a.set_xlabel("trained drafter positions (M, nominal)")
     a.set_ylabel("validation tau (held-out pool prompts)")
     a.legend(fontsize=7)
-    data = [q for q in table["points"] if q["layers"] == 1]
+    long = [q for q in table["points"] if q["name"].endswith("-long")]
+    budget = [q for q in table["points"] if q not in long]
+    data = [q for q in budget if q["layers"] == 1]
     b.plot([q["data_multiple"] for q in data], [q["eval"]["mean_tau"] for q in data], marker="o", label="1 layer")
-    for q in table["points"]:
+    for q in budget:
         if q["layers"] > 1:
             b.scatter([q["data_multiple"]], [q["eval"]["mean_tau"]], marker="s", label=f"{q['layers']} layers")
+    for q in long:
+        b.scatter([q["data_multiple"]], [q["eval"]["mean_tau"]], marker="*", s=120,
+                  label=f"{q['name']} ({q['steps'] * 1024 / 1e6:.0f}M positions)")
     b.axhline(table["prompt_lookup_mean_tau"], ls="--", c="gray", label="prompt lookup")
     b.axhline(table["published_mean_tau"], ls=":", c="k", label="published (b8)")
     b.set_xlabel("response tokens (x the published drafter's)")

@@ -1,0 +1,28 @@
+"""benchmarks/bench_drafter_scaling.py: a point continued past its budget keeps its fixed-budget row."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_drafter_scaling", ROOT / "benchmarks/bench_drafter_scaling.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_long_run_keeps_the_budget_point_and_adds_its_own_row(tmp_path):
+    bench = _bench()
+    curve = [{"step": s, "tau": t, "export": f"curve/step_{s:07d}"}
+             for s, t in [(250, 1.05), (500, 1.10), (750, 1.12), (1000, 1.11), (1250, 1.20), (1500, 1.19)]]
+    short = bench.budget_and_long("depth2", curve[:4], 1000, tmp_path / "final")
+    assert [r["name"] for r in short] == ["depth2"]
+    assert short[0]["path"] == "curve/step_0000750" and short[0]["selected_step"] == 750
+    rows = bench.budget_and_long("depth2", curve, 1000, tmp_path / "final")
+    assert [r["name"] for r in rows] == ["depth2", "depth2-long"]
+    # the budget row is what the paused run exported, not the long run's better drafter
+    assert rows[0] == short[0]
+    assert rows[1]["path"] == str(tmp_path / "final") and rows[1]["steps"] == 1500
+    assert rows[1]["selected_step"] == 1250 and rows[1]["best_val_tau"] == 1.20
