@@ -313,6 +313,9 @@ def test_validation_curve_segments_select_and_resume(tmp_path, chat_render, monk
     assert [p["step"] for p in curve] == [3, 6, 8]
     assert all(p["tau"] >= 1.0 and p["drafter_flops"] > 0 for p in curve)
     assert curve[0]["drafter_flops"] < curve[1]["drafter_flops"] < curve[2]["drafter_flops"]
+    # every curve export carries its FLOPs ledger (a matched baseline is a curve export, not the final one)
+    assert [read_drafter_metadata(p["export"])["flops"]["drafter_budget"] for p in curve] == \
+        pytest.approx([p["drafter_flops"] for p in curve])
     # the last segment's checkpoint is what one uninterrupted run produces
     last = load_specforge_checkpoint(curve[-1]["checkpoint"], bundle.model.config).state_dict()
     for k, v in ref.items():

@@ -286,10 +286,10 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
         init = (FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops"))
                 if cfg.sft.init_drafter else FlopsLedger())
 
-        def flops_at(step: int) -> float:
+        def flops_at(step: int) -> FlopsLedger:
             here = sft_flops(cfg, dcfg, target_config, responses, steps=step,
                              captured_here=r_dir.resolve().is_relative_to(out.resolve()))
-            return init.add(here).drafter_budget
+            return init.add(here)
 
         # segment ends count the steps of every rank on every node
         return run_train_validated(t_dir, run, cfg, gpus * nodes.nnodes, num_samples=n_samples, valset=valset, target_config=target_config,

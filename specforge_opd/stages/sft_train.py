@@ -411,6 +411,9 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
     With ``sft.plateau_patience`` set, training stops before the next segment once the
     curve has plateaued (``validation.plateaued``); ``sft.max_steps`` is then only a cap.
 
+    ``flops_at(step)`` returns the drafter's cumulative ``FlopsLedger`` after ``step``
+    optimizer steps (its start's history included); each curve export records it.
+
     Returns the step's stats: ``checkpoint``/``step`` of the last segment, ``curve``, ``selected``
     ``plateau_step`` (the step at which the plateau rule stopped it, or None) and ``paused_at``
     (``sft.pause_at_step`` reached: the step is not marked done, so the same command continues it).
@@ -448,11 +451,15 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
             raise SFTError(f"sft train: the segment to step {end} ended at step {seg_stats['step']} "
                            f"({seg_stats['checkpoint']}); delete that train directory to start the step again")
         model = load_specforge_checkpoint(seg_stats["checkpoint"], target_config)
+        # a curve export is a drafter in its own right (a baseline's matched point, a long run's
+        # budget point): it carries its cumulative FLOPs ledger as the final export does
+        ledger = flops_at(end)
         export = save_drafter(model, d / "curve" / f"step_{end:07d}", metadata={"stage": "sft", "step": end,
-                                                                                 "target_dtype": cfg.target.dtype},
+                                                                                 "target_dtype": cfg.target.dtype,
+                                                                                 "flops": ledger.to_dict()},
                               dtype=cfg.target.dtype)
         tau = valset.tau(model)
-        curve = add_point(d, {"step": end, "tau": tau, "drafter_flops": flops_at(end), "export": str(export),
+        curve = add_point(d, {"step": end, "tau": tau, "drafter_flops": ledger.drafter_budget, "export": str(export),
                               "checkpoint": seg_stats["checkpoint"]})
         print(f"[sft val] step {end}/{total}: validation tau {tau:.3f} on {len(valset.prompts)} prompts", flush=True)
         if tensorboard_dir is not None:
