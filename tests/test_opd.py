@@ -165,3 +165,40 @@ def test_opd_validation_curve_selects_the_best_refresh(tmp_path):
     assert [(p["step"], p["tau"], p["export"]) for p in again] == [(p["step"], p["tau"], p["export"]) for p in curve]
     assert [p["opd_flops"] for p in again] == pytest.approx([p["opd_flops"] for p in curve])
     assert [p["drafter_flops"] for p in again] == pytest.approx([p["drafter_flops"] for p in curve])
+
+
+def test_kill_after_an_iteration_is_stamped_counts_its_flops_once(tmp_path, monkeypatch):
+    """A run killed between stamping an iteration's export (its cumulative FLOPs) and recording the
+    iteration as done resumes with the same FLOPs ledger as a run never killed: the iteration's own cost
+    is read back, not the stamped history counted again."""
+    from specforge_opd.stages import opd_validation
+    from specforge_opd.stages.opd import run_opd
+
+    cfg, bundle, prompts = _setup(tmp_path, "whole")
+    g = torch.Generator().manual_seed(9)
+    val = [(f"v{i}", torch.randint(3, 90, (6,), generator=g).tolist()) for i in range(2)]
+    ov = {"val_prompts": 2, "final_rollout": False}
+    whole = cfg.model_copy(update={"opd": cfg.opd.model_copy(update=ov)})
+    run_opd(whole, target=bundle, prompts=prompts, val_prompts=val)
+    want = json.loads((tmp_path / "whole" / "opd_state.json").read_text())["flops"]
+
+    killed = whole.model_copy(update={"output": whole.output.model_copy(update={"dir": str(tmp_path / "killed")})})
+    real_point = opd_validation.OPDValidation.point
+
+    def die_at_refresh_1(self, step, *a, **kw):
+        if step == 1:
+            raise KeyboardInterrupt("killed after the stamp, before the iteration is recorded")
+        return real_point(self, step, *a, **kw)
+
+    monkeypatch.setattr(opd_validation.OPDValidation, "point", die_at_refresh_1)
+    with pytest.raises(KeyboardInterrupt):
+        run_opd(killed, target=bundle, prompts=prompts, val_prompts=val)
+    state = tmp_path / "killed" / "opd_state.json"
+    assert not state.exists() or json.loads(state.read_text())["iterations_done"] == 0
+    # the iteration's export was stamped with the cumulative ledger before the kill
+    assert "opd_flops" in json.loads((tmp_path / "killed" / "iter_000" / "train" / "final" / "specforge_opd.json").read_text())
+    monkeypatch.setattr(opd_validation.OPDValidation, "point", real_point)
+    run_opd(killed, target=bundle, prompts=prompts, val_prompts=val)
+    got = json.loads((tmp_path / "killed" / "opd_state.json").read_text())["flops"]
+    nums = lambda d: {k: v for k, v in d.items() if isinstance(v, (int, float))}  # noqa: E731
+    assert nums(got) == pytest.approx(nums(want)) and got["drafter_budget"] > 0

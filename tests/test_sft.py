@@ -584,3 +584,26 @@ def test_a_grown_pool_reuses_the_finished_chunks_and_samples_of_a_smaller_one(tm
     with pytest.raises(_Stop):
         sft.run_sft(other, bundle=bundle, prompts=ps[:6], target_path=bundle.path)
     assert calls == [["p0", "p1", "p2", "p3"], ["p4", "p5"]]
+
+
+def test_step_keys_name_the_target_dtype_off_the_default():
+    """A bf16 target answers and captures differently from the same weights in float32: its responses and
+    features steps (and donor matching, which compares these inputs) must not share keys with float32's,
+    while float32 keys stay what they were."""
+    from specforge_opd.config import load_config
+    from specforge_opd.stages.sft import features_inputs, responses_inputs
+    from specforge_opd.stepkeys import hash_inputs
+
+    fp32 = load_config(None, [])
+    bf16 = load_config(None, ["target.dtype=bfloat16"])
+    tok = [("a", [1, 2, 3])]
+    r32, r16 = responses_inputs(fp32, "tid", tok), responses_inputs(bf16, "tid", tok)
+    assert "target_dtype" not in r32 and r16["target_dtype"] == "bfloat16"
+    assert hash_inputs(r32) != hash_inputs(r16)
+    # the float32 key is the one runs before this field were stored under
+    assert r32 == {"target": "tid", "prompts": hash_inputs({"p": tok}), "n": 1, "temperature": fp32.sft.temperature,
+                   "max_new_tokens": fp32.sft.max_new_tokens, "chunk": fp32.sft.chunk_prompts, "seed": fp32.data.seed,
+                   "stop": list(fp32.target.stop_token_ids), "backend": fp32.rollout.backend}
+    # features vary "responses" when matching donors: the dtype must sit among the fields that do not vary
+    f32, f16 = features_inputs(fp32, "rk", "tid", [1, 2]), features_inputs(bf16, "rk", "tid", [1, 2])
+    assert "target_dtype" not in f32 and f16["target_dtype"] == "bfloat16"

@@ -480,14 +480,20 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         )
         train_seconds = time.perf_counter() - t0
         # -- 3. bookkeeping --------------------------------------------------
-        # distill records the drafter-side FLOPs of the steps it trained; the rollout adds the target's
-        it_flops = FlopsLedger.from_dict(read_drafter_metadata(res.export_dir).get("flops"))
+        # distill records the drafter-side FLOPs of the steps it trained; the rollout adds the target's.
+        # The stamp below replaces "flops" with the cumulative ledger and keeps distill's own as
+        # "iteration_flops": a run killed after the stamp but before the state is written reads
+        # this iteration's own cost again on resume, not the history counted twice.
+        export_meta = read_drafter_metadata(res.export_dir)
+        own = export_meta.get("iteration_flops") or export_meta.get("flops")
+        it_flops = FlopsLedger.from_dict(own)
         it_flops.target_rollout += ro.pop("target_rollout_flops")
         flops = flops.add(it_flops)
         # "flops": the drafter's whole history (initial drafter + this stage), comparable with a
         # continued-SFT drafter's ledger; "opd_flops": this stage alone (what a matched baseline spends).
         cumulative = FlopsLedger.from_dict(initial_meta.get("flops")).add(flops)
         _stamp_metadata(res.export_dir, {"flops": cumulative.to_dict(), "opd_flops": flops.to_dict(), "opd_iteration": it,
+                                         "iteration_flops": own,
                                          "initial_drafter": str(initial_drafter), "initial_flops": initial_meta.get("flops")})
         row = {
             "iteration": it,

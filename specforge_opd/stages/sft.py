@@ -157,6 +157,30 @@ def run_sft(cfg: ExperimentConfig, **kwargs) -> Path:
     return final
 
 
+def _target_dtype_input(cfg: ExperimentConfig) -> dict:
+    # The target's weights are keyed by their files, not by the dtype they run in: a bf16
+    # target answers and captures differently. Keyed only off the float32 default, so the
+    # keys of existing float32 runs stay valid.
+    return {} if cfg.target.dtype == "float32" else {"target_dtype": cfg.target.dtype}
+
+
+def responses_inputs(cfg: ExperimentConfig, tid: str, tokenized: list) -> dict:
+    """The inputs the responses step is keyed by (``stepkeys.hash_inputs``) and donors are matched on.
+
+    ``tid``: ``stepkeys.target_key`` of the target; ``tokenized``: ``[(sample id, prompt token ids)]``.
+    """
+    return {"target": tid, "prompts": hash_inputs({"p": tokenized}), "n": len(tokenized),
+            "temperature": cfg.sft.temperature, "max_new_tokens": cfg.sft.max_new_tokens,
+            "chunk": cfg.sft.chunk_prompts, "seed": cfg.data.seed, "stop": list(cfg.target.stop_token_ids),
+            "backend": cfg.rollout.backend, **_target_dtype_input(cfg)}
+
+
+def features_inputs(cfg: ExperimentConfig, r_key: str, tid: str, layer_ids: list[int]) -> dict:
+    """The inputs the features step is keyed by and donors are matched on (``r_key``: the responses step's key)."""
+    return {"responses": r_key, "target": tid, "layer_ids": layer_ids, "max_context": cfg.target.max_context,
+            "dtype": drafter_dtype(cfg), **_target_dtype_input(cfg)}
+
+
 def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] = None,
              target_path: Optional[str] = None, val_prompts: Optional[Sequence] = None,
              budget_for: Optional[Callable[[list], dict]] = None) -> Path:
@@ -208,10 +232,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     tokenized, too_long = tokenize_prompts(records_in, tokenizer, cfg)
     if not tokenized:
         raise SFTError(f"sft responses: all {len(records_in)} prompts are longer than {prompt_limit(cfg)} tokens")
-    r_inputs = {"target": tid, "prompts": hash_inputs({"p": tokenized}), "n": len(tokenized),
-                "temperature": cfg.sft.temperature, "max_new_tokens": cfg.sft.max_new_tokens,
-                "chunk": cfg.sft.chunk_prompts, "seed": cfg.data.seed, "stop": list(cfg.target.stop_token_ids),
-                "backend": cfg.rollout.backend}
+    r_inputs = responses_inputs(cfg, tid, tokenized)
     r_key = hash_inputs(r_inputs)
     r_dir = reusable_step(cfg, out, "responses", r_key)
     keyed_step("responses", r_dir, r_key, r_inputs,
@@ -224,8 +245,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
 
     # -- features
     t0 = time.time()
-    f_inputs = {"responses": r_key, "target": tid, "layer_ids": layer_ids, "max_context": cfg.target.max_context,
-                "dtype": drafter_dtype(cfg)}
+    f_inputs = features_inputs(cfg, r_key, tid, layer_ids)
     f_key = hash_inputs(f_inputs)
     f_dir = reusable_step(cfg, out, "features", f_key)
     keyed_step("features", f_dir, f_key, f_inputs,
