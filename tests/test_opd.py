@@ -202,3 +202,21 @@ def test_kill_after_an_iteration_is_stamped_counts_its_flops_once(tmp_path, monk
     got = json.loads((tmp_path / "killed" / "opd_state.json").read_text())["flops"]
     nums = lambda d: {k: v for k, v in d.items() if isinstance(v, (int, float))}  # noqa: E731
     assert nums(got) == pytest.approx(nums(want)) and got["drafter_budget"] > 0
+
+
+def test_validation_points_on_another_prompt_count_are_measured_again(tmp_path):
+    """A resumed run whose opd.val_prompts changed measures its refreshes again: taus on different prompt
+    sets are not compared when the best refresh is selected."""
+    from specforge_opd.eval.validation import read_curve
+    from specforge_opd.stages.opd import run_opd
+    from specforge_opd.stages.opd_validation import OPD_CURVE_FILE
+
+    cfg, bundle, prompts = _setup(tmp_path, "n")
+    g = torch.Generator().manual_seed(9)
+    val = [(f"v{i}", torch.randint(3, 90, (6,), generator=g).tolist()) for i in range(3)]
+    three = cfg.model_copy(update={"opd": cfg.opd.model_copy(update={"val_prompts": 3, "final_rollout": False})})
+    run_opd(three, target=bundle, prompts=prompts, val_prompts=val)
+    assert [p["val_prompts"] for p in read_curve(tmp_path / "n", OPD_CURVE_FILE)] == [3, 3, 3]
+    two = three.model_copy(update={"opd": three.opd.model_copy(update={"val_prompts": 2})})
+    run_opd(two, target=bundle, prompts=prompts, val_prompts=val[:2], allow_config_change=True)
+    assert [p["val_prompts"] for p in read_curve(tmp_path / "n", OPD_CURVE_FILE)] == [2, 2, 2]

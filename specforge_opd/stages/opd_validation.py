@@ -65,13 +65,14 @@ class OPDValidation:
 
         return read_curve(self.out, OPD_CURVE_FILE)
 
-    def point(self, step: int, drafter_dir: Path, *, drafter_flops: Optional[float], opd_flops: float) -> dict:
+    def point(self, step: int, drafter_dir: Path, *, drafter_flops: Optional[float], opd_flops: Optional[float]) -> dict:
         """Measure (or read back, on resume) the validation tau of ``drafter_dir`` as point ``step``."""
         from specforge_opd.eval.validation import add_point
         from specforge_opd.models.drafter import load_any_drafter
 
         done = next((p for p in self.curve() if p["step"] == step), None)
-        if done is not None and done["export"] == str(drafter_dir):
+        # a point measured on another number of validation prompts is not comparable: measure again
+        if done is not None and done["export"] == str(drafter_dir) and done.get("val_prompts") == len(self.prompt_ids):
             return done
         drafter = load_any_drafter(str(drafter_dir), self.target_config).to(self.device).eval()
         tau = self.valset.tau(drafter)
@@ -94,15 +95,22 @@ def backfill_refreshes(validation, out: Path, iterations_done: int) -> None:
         validation: the stage's ``OPDValidation`` (``point(step, drafter_dir, ...)``).
         out: the OPD run's ``output.dir``.
         iterations_done: refreshes finished (``opd_state.json``).
+
+    Raises:
+        PlanError: a finished refresh's export is missing.
     """
     from specforge_opd.models.drafter import read_drafter_metadata
     from specforge_opd.eval.flops import FlopsLedger
 
     for it in range(iterations_done):
         export = Path(out) / f"iter_{it:03d}" / "train" / "final"
+        if not (export / "config.json").is_file():
+            raise PlanError(f"{export}: refresh {it + 1} is recorded as done but its export is missing; "
+                            "restore it or start the run in a fresh output.dir")
         meta = read_drafter_metadata(export)
-        validation.point(it + 1, export, drafter_flops=FlopsLedger.from_dict(meta.get("flops")).drafter_budget,
-                         opd_flops=FlopsLedger.from_dict(meta.get("opd_flops")).drafter_budget)
+        # an export from before the ledgers were stamped has none: no FLOPs, not zero
+        budget = lambda key: FlopsLedger.from_dict(meta[key]).drafter_budget if meta.get(key) else None  # noqa: E731
+        validation.point(it + 1, export, drafter_flops=budget("flops"), opd_flops=budget("opd_flops"))
 
 
 def select_refresh(curve: list[dict], rule: str) -> dict:
