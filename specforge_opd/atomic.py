@@ -85,6 +85,9 @@ def atomic_link(src: Path, dst: Path) -> None:
             atomic_write(dst, lambda out: shutil.copyfileobj(f, out))
         return
     os.replace(tmp, dst)
+    # when dst already was a link to the same file, rename does nothing and tmp stays
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
     fsync_dir(dst.parent)
 
 

@@ -483,6 +483,9 @@ def test_atomic_link_links_or_copies_and_never_leaves_a_partial_file(tmp_path, m
     src.write_bytes(b"features")
     atomic.atomic_link(src, tmp_path / "sub" / "b.bin")
     assert (tmp_path / "sub" / "b.bin").stat().st_ino == src.stat().st_ino
+    # linking again onto the same file (rename between two links of one file does nothing) leaves no temp file
+    atomic.atomic_link(src, tmp_path / "sub" / "b.bin")
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["b.bin"]
     # where the filesystem links nothing, an atomic copy with the same bytes
     def no_link(*a, **k):
         raise OSError(18, "Invalid cross-device link")

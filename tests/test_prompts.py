@@ -286,6 +286,14 @@ def test_pool_is_built_once_for_the_trained_and_the_held_out_prompts(tmp_path, c
     # a changed file is read again, never served from the memo
     _write_jsonl(tmp_path / "train.jsonl", rows[:20])
     assert len(prompts.training_pool(cfg.model_copy(update={"num_prompts": None}), cache=cache)) == 20 and len(calls) == 2
+    # with no cache given, the cache follows the environment: another one is another memo entry
+    from specforge_opd.data.locations import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env1"))
+    prompts.training_pool(cfg, cache=None)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env2"))
+    prompts.training_pool(cfg, cache=None)
+    assert len(calls) == 4
 
 
 # ---------------------------------------------------------------------------
@@ -438,6 +446,11 @@ def test_python_functions_load_source_pins_the_version_and_imports_nothing(tmp_p
     assert not any(m == "fakepkg" or m.startswith("fakepkg.") for m in sys.modules)  # found, never imported
     (cached,) = (cache / "prompts").glob("python_functions-*.jsonl")
     assert prompts.load_source("python_functions", cache=cache) == recs  # read back from the cache
+    # a change to what selects the records is a new cache entry, not the stale one
+    monkeypatch.setattr(prompts, "PYFUNC_MAX_DOC_CHARS", 45)
+    fewer = prompts.load_source("python_functions", cache=cache)
+    assert len(fewer) < len(recs) and len(list((cache / "prompts").glob("python_functions-*.jsonl"))) == 2
+    monkeypatch.setattr(prompts, "PYFUNC_MAX_DOC_CHARS", 1500)
     # another version of the package is refused, naming the pinned install
     monkeypatch.setitem(prompts._OFFLINE, "python_functions",
                         (("fakepkg", "", "fakepkg==0.4"), prompts.parse_python_functions))

@@ -652,9 +652,11 @@ def load_source(
             if rel:
                 src = package_file(pkg, rel, pip)
             else:
-                src, stamp = package_dir(pkg, pip)
+                src, version = package_dir(pkg, pip)
                 # a source tree's parser records the installed version in each record
-                parse = functools.partial(parse, version=stamp)
+                parse = functools.partial(parse, version=version)
+                # the cache is keyed by the version and by what selects and shapes the records
+                stamp = f"{version}|{PYFUNC_MIN_DOC_CHARS}|{PYFUNC_MAX_DOC_CHARS}|{sorted(PYFUNC_SKIP_DIRS)}|{HUMANEVAL_INSTRUCTION}"
         except AssetError as e:
             raise PromptsError(str(e)) from None
         return _cached(name, src, parse, cache, stamp)
@@ -727,7 +729,8 @@ def training_pool_with_stats(
     """
     files = tuple((f, st.st_mtime_ns, st.st_size) for f in sorted((data_cfg.local_files or {}).values())
                   if os.path.isfile(f) and (st := os.stat(f)))
-    key = (data_cfg.model_dump_json(exclude={"num_prompts"}), str(cache), id(tokenizer), files)
+    # the resolved cache directory: with cache None it follows the environment, which may change
+    key = (data_cfg.model_dump_json(exclude={"num_prompts"}), str(cache_dir(cache).resolve()), id(tokenizer), files)
     if _POOL_MEMO.get("key") != key:
         pool, stats = _uncapped_pool(data_cfg, cache=cache, tokenizer=tokenizer)
         # the tokenizer is held so that its id is not reused while the entry lives
