@@ -55,18 +55,34 @@ def sh(args: list[str], log: Path) -> None:
 
 
 def shared_run(cfg, config: str) -> tuple[Path, list[int]]:
-    """The base run's finished responses step and each kept sample's supervised tokens (feature order)."""
+    """The base run's responses step and each kept sample's supervised tokens (feature order).
+
+    The step is the one the base run trained on: its export's train directory names the
+    features step (``run.yaml``), whose marker names the responses step by key. A base
+    directory may hold other finished responses steps (a grown pool's donors), so the
+    newest one is not necessarily it.
+    """
+    import yaml
+
+    from specforge_opd.models.drafter import read_drafter_metadata
     from specforge_opd.rollout.responses import read_responses
     from specforge_opd.stages.sft_features import plan_features, supervised_tokens
     from specforge_opd.stepkeys import MARKER
 
     out = Path(cfg.resolve_path(cfg.output.dir))
-    done = sorted((d for d in out.glob("responses-*") if (d / MARKER).is_file()), key=lambda d: (d / MARKER).stat().st_mtime)
-    if not done:
-        sys.exit(f"{out}: no finished responses step; run scripts/train_sft.sh {config} first")
-    recs = read_responses(done[-1])
+    final = out / "final"
+    if not final.is_dir():
+        sys.exit(f"{out}: no finished base run; run scripts/train_sft.sh {config} first")
+    train_dir = Path(read_drafter_metadata(final)["specforge_checkpoint"]).parents[1]
+    features = Path(yaml.safe_load((train_dir / "run.yaml").read_text())["data"]["hidden_states_path"])
+    r_key = json.loads((features / MARKER).read_text())["inputs"]["responses"]
+    roots = [out] + ([Path(cfg.resolve_path(cfg.sft.reuse_from))] if cfg.sft.reuse_from else [])
+    r_dir = next((d for d in (root / f"responses-{r_key[:12]}" for root in roots) if (d / MARKER).is_file()), None)
+    if r_dir is None:
+        sys.exit(f"{out}: the responses step {r_key[:12]} the base run trained on is gone; rerun scripts/train_sft.sh {config}")
+    recs = read_responses(r_dir)
     kept, _ = plan_features(recs, cfg.target.max_context)
-    return done[-1], [supervised_tokens(recs[i], cfg.target.max_context) for i in kept]
+    return r_dir, [supervised_tokens(recs[i], cfg.target.max_context) for i in kept]
 
 
 def samples_for(sup: list[int], tokens: int) -> int:
@@ -137,32 +153,41 @@ def main() -> int:
     return 0
 
 
-def budget_and_long(name: str, curve: list[dict], budget: int, final: Path) -> list[dict]:
-    """The rows of one point's validation curve: the fixed-budget point and, past the budget, the long run.
+def budget_and_long(name: str, validation: dict, budget: int, final: Path) -> list[dict]:
+    """The rows of one point's validation record: the fixed-budget point and, past the budget, the long run.
 
-    A point continued past ``budget`` steps (``--long``) stays a fixed-budget point: its
-    best validation export among the steps up to the budget, as the paused run exported.
-    The whole run is a row of its own, ``<name>-long``, whose drafter is the run's export
-    ``final`` (the best point of the whole curve).
+    A point continued past ``budget`` steps (``--long``) stays a fixed-budget point: the
+    export its selection rule (``validation.select``: ``best_val``, earliest of equals, or
+    ``last``) picks among the steps up to the budget, as the paused run exported. The whole
+    run is a row of its own, ``<name>-long``: its export ``final`` and the step it selected.
 
     Args:
-        curve: the export's ``validation.curve`` (``step``, ``tau``, ``export`` per point).
+        validation: the export's ``validation`` record (``curve`` of ``step``, ``tau``,
+            ``export``; ``select``; ``selected_step``).
         budget: the curve points' optimizer-step budget (``sft.pause_at_step``).
 
     Returns:
-        One or two dicts: ``name``, ``steps`` (last step), ``selected_step``, ``best_val_tau``,
-        ``val_curve`` (step, tau), ``path`` (the drafter to evaluate).
+        One or two dicts: ``name``, ``steps`` (last step), ``selected_step``, ``best_val_tau``
+        (the selected point's tau), ``val_curve`` (step, tau), ``path`` (the drafter to evaluate).
+
+    Raises:
+        ValueError: no validation point at or before ``budget``.
     """
-    runs = [(name, [q for q in curve if q["step"] <= budget], None)]
-    if max(q["step"] for q in curve) > budget:
-        runs.append((f"{name}-long", curve, final))
-    rows = []
-    for label, pts, path in runs:
+    curve = validation["curve"]
+    pts = [q for q in curve if q["step"] <= budget]
+    if not pts:
+        raise ValueError(f"{name}: no validation point at or before step {budget}")
+    if validation.get("select", "best_val") == "last":
+        sel = max(pts, key=lambda q: q["step"])
+    else:
         sel = max(pts, key=lambda q: (q["tau"], -q["step"]))
-        rows.append({"name": label, "steps": max(q["step"] for q in pts), "selected_step": sel["step"],
-                     "best_val_tau": sel["tau"], "val_curve": [{"step": q["step"], "tau": q["tau"]} for q in pts],
-                     "path": str(path or sel["export"])})
-    return rows
+    rows = [(name, pts, sel, sel["export"])]
+    if max(q["step"] for q in curve) > budget:
+        chosen = next(q for q in curve if q["step"] == validation["selected_step"])
+        rows.append((f"{name}-long", curve, chosen, str(final)))
+    return [{"name": label, "steps": max(q["step"] for q in p), "selected_step": c["step"], "best_val_tau": c["tau"],
+             "val_curve": [{"step": q["step"], "tau": q["tau"]} for q in p], "path": path}
+            for label, p, c, path in rows]
 
 
 def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
@@ -175,6 +200,8 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
     speed = {r["layers"]: r["positions_per_s"] for r in bench["rows"]
              if r.get("objective") == "stored" and r["dtype"] == "bf16" and r["num_anchors"] == cfg.training.num_anchors}
     budget = args.steps or cfg.sft.pause_at_step
+    if budget is None:
+        sys.exit(f"{args.config}: no sft.pause_at_step, so no budget per point; pass --steps N")
     per_step = cfg.training.num_anchors * cfg.draft.block_size
     points = []
     for name in args.points:
@@ -183,7 +210,7 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
             print(f"[scaling] {name}: no export yet, left out", flush=True)
             continue
         _, what = point_overrides(name, sup, args.base_tokens)
-        for row in budget_and_long(name, read_drafter_metadata(final)["validation"]["curve"], budget, final):
+        for row in budget_and_long(name, read_drafter_metadata(final)["validation"], budget, final):
             points.append({**row, **what, "trained_positions_nominal": row["steps"] * per_step,
                            "positions_per_s_bf16_stored": speed.get(what["layers"])})
     drafters = ["--drafter", f"published={PUBLISHED}"]

@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,12 +19,21 @@ def test_long_run_keeps_the_budget_point_and_adds_its_own_row(tmp_path):
     bench = _bench()
     curve = [{"step": s, "tau": t, "export": f"curve/step_{s:07d}"}
              for s, t in [(250, 1.05), (500, 1.10), (750, 1.12), (1000, 1.11), (1250, 1.20), (1500, 1.19)]]
-    short = bench.budget_and_long("depth2", curve[:4], 1000, tmp_path / "final")
+    short = bench.budget_and_long("depth2", {"curve": curve[:4], "select": "best_val", "selected_step": 750}, 1000,
+                                  tmp_path / "final")
     assert [r["name"] for r in short] == ["depth2"]
     assert short[0]["path"] == "curve/step_0000750" and short[0]["selected_step"] == 750
-    rows = bench.budget_and_long("depth2", curve, 1000, tmp_path / "final")
+    rows = bench.budget_and_long("depth2", {"curve": curve, "select": "best_val", "selected_step": 1250}, 1000,
+                                 tmp_path / "final")
     assert [r["name"] for r in rows] == ["depth2", "depth2-long"]
     # the budget row is what the paused run exported, not the long run's better drafter
     assert rows[0] == short[0]
     assert rows[1]["path"] == str(tmp_path / "final") and rows[1]["steps"] == 1500
     assert rows[1]["selected_step"] == 1250 and rows[1]["best_val_tau"] == 1.20
+    # select=last: the last point up to the budget, and the run's own recorded choice for the long row
+    last = bench.budget_and_long("depth2", {"curve": curve, "select": "last", "selected_step": 1500}, 1000,
+                                 tmp_path / "final")
+    assert (last[0]["selected_step"], last[0]["path"]) == (1000, "curve/step_0001000")
+    assert (last[1]["selected_step"], last[1]["best_val_tau"]) == (1500, 1.19)
+    with pytest.raises(ValueError, match="no validation point at or before step 100"):
+        bench.budget_and_long("depth2", {"curve": curve, "select": "best_val", "selected_step": 1250}, 100, tmp_path)
