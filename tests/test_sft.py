@@ -397,6 +397,20 @@ def test_plateau_stops_training_before_the_step_cap(tmp_path, chat_render, monke
     stats = json.loads((t_dir / stepkeys.MARKER).read_text())["stats"]
     assert stats["plateau_step"] == 4 and stats["step"] == 4 and [p["step"] for p in stats["curve"]] == [2, 4]
     assert stats["selected"]["step"] == 2  # the earliest of equal taus
+    # the same rule again: the step stays done, nothing trains
+    sft.run_sft(cfg, bundle=bundle, prompts=make_prompts(8), target_path=bundle.path, val_prompts=make_prompts(2, start=20))
+    assert not __import__("re").findall(r"^step (\d+):", capfd.readouterr().out, flags=__import__("re").M)
+    # a looser rule (more patience) continues the stopped run from its last checkpoint, its curve kept
+    looser = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"plateau_patience": 3})})
+    final = sft.run_sft(looser, bundle=bundle, prompts=make_prompts(8), target_path=bundle.path,
+                        val_prompts=make_prompts(2, start=20))
+    out = capfd.readouterr().out
+    assert "continuing it" in out
+    steps = [int(m) for m in __import__("re").findall(r"^step (\d+):", out, flags=__import__("re").M)]
+    assert steps == [5, 6, 7, 8]  # segments to 6 and 8; 3 flat points after the best at 2 stop it at 8
+    stats = json.loads((t_dir / stepkeys.MARKER).read_text())["stats"]
+    assert [p["step"] for p in stats["curve"]] == [2, 4, 6, 8] and stats["plateau_step"] == 8
+    assert json.loads((final / "specforge_opd.json").read_text())["validation"]["plateau_step"] == 8
 
 
 def test_bf16_drafter_training_on_cpu(tmp_path, chat_render):

@@ -157,6 +157,27 @@ def run_sft(cfg: ExperimentConfig, **kwargs) -> Path:
     return final
 
 
+def _reopen_if_rule_loosened(t_dir: Path, t_key: str, cfg: ExperimentConfig) -> None:
+    """Continue a train step the plateau rule stopped when today's rule would not have stopped it.
+
+    ``sft.plateau_patience`` and ``sft.plateau_band`` are not part of the step's key, like
+    ``sft.pause_at_step``: the same command with a looser rule (more patience, a narrower
+    band, or 0 = off) takes the finished step up again from its last checkpoint, its
+    curve kept. The rule that stopped it stays in force otherwise (the step stays done).
+    """
+    from specforge_opd.eval.validation import plateaued, read_curve
+    from specforge_opd.stepkeys import MARKER, is_done
+
+    if not is_done(t_dir, t_key):
+        return
+    stopped = read_marker_stats(t_dir).get("plateau_step")
+    if stopped is None or plateaued(read_curve(t_dir), cfg.sft.plateau_patience, cfg.sft.plateau_band):
+        return
+    print(f"[sft train] the plateau rule stopped this run at step {stopped}; sft.plateau_patience="
+          f"{cfg.sft.plateau_patience} / sft.plateau_band={cfg.sft.plateau_band} would not: continuing it", flush=True)
+    (t_dir / MARKER).unlink()
+
+
 def _target_dtype_input(cfg: ExperimentConfig) -> dict:
     # The target's weights are keyed by their files, not by the dtype they run in: a bf16
     # target answers and captures differently. Keyed only off the float32 default, so the
@@ -323,6 +344,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
         save_drafter,
     )
 
+    _reopen_if_rule_loosened(t_dir, t_key, cfg)
     train_stats = keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
     ckpt = Path(train_stats["checkpoint"])
     chosen = train_stats.get("selected")
