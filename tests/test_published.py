@@ -7,11 +7,12 @@ import pytest
 from specforge_opd.models import published
 
 
-def test_published_drafter_ships_with_its_training_record():
+@pytest.mark.parametrize("name", published.available())
+def test_published_drafter_ships_with_its_training_record(name):
     """Every field the record promises is there: recipe, commit, positions, FLOPs, the validation curve."""
     assert published.EMBEDDED_DRAFTER in published.available()
-    rec = published.read_record(published.EMBEDDED_DRAFTER)
-    assert rec["config"].strip() and rec["config_file"].endswith("sft.yaml")
+    rec = published.read_record(name)
+    assert rec["config"].strip() and rec["config_file"].endswith(".yaml") and rec["name"] == name
     assert rec["commit"] and rec["target_dtype"] == "float32"
     assert rec["trained_positions"] > 0 and rec["flops"]["drafter_train"] > 0
     curve = rec["validation"]["curve"]
@@ -28,14 +29,15 @@ def test_published_drafter_ships_with_its_training_record():
 
 @pytest.mark.embedded
 @pytest.mark.slow
-def test_published_drafter_replays_to_its_recorded_tau(tmp_path):
+@pytest.mark.parametrize("name", published.available())
+def test_published_drafter_replays_to_its_recorded_tau(tmp_path, name):
     """Exact offline replay on the recorded check prompts gives the recorded tau (beside prompt lookup's)."""
     from specforge_opd.config import load_config
     from specforge_opd.models.drafter import load_drafter
     from specforge_opd.models.target import load_target
 
-    d = published.published_drafter(published.EMBEDDED_DRAFTER)
-    rec = published.read_record(published.EMBEDDED_DRAFTER)
+    d = published.published_drafter(name)
+    rec = published.read_record(name)
     bundle = load_target(load_config(None, ["target.dtype=float32", "target.device=cpu"]).target)
     load_drafter(d, target_config=bundle.model.config)  # fits the embedded target
     got = published.run_check(d, tmp_path / "check", [f"eval.cache_dir={tmp_path / 'cache'}"])
@@ -44,3 +46,17 @@ def test_published_drafter_replays_to_its_recorded_tau(tmp_path):
         # exact replay at T=0; a tie between two logits may flip on another CPU, hence the small tolerance
         assert got["drafter"][ds] == pytest.approx(rec["check"]["drafter"][ds], abs=0.03), ds
         assert got["ngram"][ds] == pytest.approx(rec["check"]["ngram"][ds], abs=1e-9), ds
+
+
+def test_publish_finds_the_responses_of_a_run_that_reused_them(tmp_path):
+    """A run trained on another run's responses (sft.reuse_from) is published with its trained positions:
+    the responses are looked up there when its own output dir has none."""
+    from specforge_opd.config import load_config
+
+    (tmp_path / "base" / "responses-abc").mkdir(parents=True)
+    (tmp_path / "run").mkdir()
+    cfg = load_config(None, [f"output.dir={tmp_path / 'run'}", f"sft.reuse_from={tmp_path / 'base'}"])
+    assert published.responses_dirs(cfg) == [tmp_path / "base" / "responses-abc"]
+    (tmp_path / "run" / "responses-own").mkdir()
+    assert published.responses_dirs(cfg) == [tmp_path / "run" / "responses-own"]
+    assert published.responses_dirs(load_config(None, [f"output.dir={tmp_path / 'none'}"])) == []

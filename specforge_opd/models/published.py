@@ -126,6 +126,15 @@ def _store_bf16_if_exact(path: Path) -> bool:
     return True
 
 
+def responses_dirs(cfg) -> list[Path]:
+    """The SFT run's responses steps (sorted), in its ``output.dir`` or else in ``sft.reuse_from``:
+    a run that reused another's responses has none of its own."""
+    roots = [Path(cfg.resolve_path(cfg.output.dir))]
+    if cfg.sft.reuse_from:
+        roots.append(Path(cfg.resolve_path(cfg.sft.reuse_from)))
+    return next((found for root in roots if (found := sorted(root.glob("responses-*")))), [])
+
+
 def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check_overrides: Optional[list[str]] = None) -> Path:
     """Copy the SFT export ``export`` (trained with ``config_file``) into the package as ``name``,
     with its training record and the recorded check; returns the published directory.
@@ -144,7 +153,7 @@ def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check
         raise ValueError(f"{export}: not an SFT export with a validation curve (train with sft.val_prompts > 0)")
     cfg = load_config(config_file)
     out_dir = Path(cfg.resolve_path(cfg.output.dir))
-    rdirs = sorted(out_dir.glob("responses-*"))
+    rdirs = responses_dirs(cfg)
     sup = [n for r in read_responses(rdirs[-1]) if (n := supervised_tokens(r, cfg.target.max_context)) >= 2] if rdirs else []
     dest = PUBLISHED_DIR / name
     tmp = dest.with_name(dest.name + ".tmp")
