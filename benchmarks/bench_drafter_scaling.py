@@ -67,7 +67,7 @@ def shared_run(cfg, config: str) -> tuple[Path, list[int]]:
     from specforge_opd.models.drafter import read_drafter_metadata
     from specforge_opd.rollout.responses import read_responses
     from specforge_opd.stages.sft_features import plan_features, supervised_tokens
-    from specforge_opd.stepkeys import MARKER
+    from specforge_opd.stepkeys import MARKER, is_done, reusable_step
 
     out = Path(cfg.resolve_path(cfg.output.dir))
     final = out / "final"
@@ -76,9 +76,8 @@ def shared_run(cfg, config: str) -> tuple[Path, list[int]]:
     train_dir = Path(read_drafter_metadata(final)["specforge_checkpoint"]).parents[1]
     features = Path(yaml.safe_load((train_dir / "run.yaml").read_text())["data"]["hidden_states_path"])
     r_key = json.loads((features / MARKER).read_text())["inputs"]["responses"]
-    roots = [out] + ([Path(cfg.resolve_path(cfg.sft.reuse_from))] if cfg.sft.reuse_from else [])
-    r_dir = next((d for d in (root / f"responses-{r_key[:12]}" for root in roots) if (d / MARKER).is_file()), None)
-    if r_dir is None:
+    r_dir = reusable_step(cfg, out, "responses", r_key)
+    if not is_done(r_dir, r_key):
         sys.exit(f"{out}: the responses step {r_key[:12]} the base run trained on is gone; rerun scripts/train_sft.sh {config}")
     recs = read_responses(r_dir)
     kept, _ = plan_features(recs, cfg.target.max_context)

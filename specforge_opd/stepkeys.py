@@ -76,6 +76,11 @@ def mark_done(d: Path, key: str, inputs: dict, stats: dict) -> None:
     atomic_write_json(d / MARKER, {"key": key, "inputs": inputs, "stats": stats, "finished_at": time.time()})
 
 
+def step_roots(cfg: ExperimentConfig, out: Path) -> list[Path]:
+    """Where an SFT run's steps may be: its own ``out``, then ``sft.reuse_from`` when set."""
+    return [Path(out)] + ([Path(cfg.resolve_path(cfg.sft.reuse_from))] if cfg.sft.reuse_from else [])
+
+
 def reusable_step(cfg: ExperimentConfig, out: Path, step: str, key: str) -> Path:
     """``out``'s directory for ``step``, or a finished one with the same key under ``sft.reuse_from``.
 
@@ -94,7 +99,7 @@ def donor_steps(cfg: ExperimentConfig, out: Path, step: str, inputs: dict, vary:
     """Finished ``step`` directories under ``out`` (and ``sft.reuse_from``) whose inputs equal ``inputs``
     except the fields ``vary``: their parts that match item by item can be reused (a larger pool whose
     first prompts a finished run already answered). Newest first; unreadable markers are skipped."""
-    roots = [out] + ([Path(cfg.resolve_path(cfg.sft.reuse_from))] if cfg.sft.reuse_from else [])
+    roots = step_roots(cfg, out)
     same = json.loads(json.dumps({k: v for k, v in inputs.items() if k not in vary}, sort_keys=True, default=str))
     found = []
     for root in roots:

@@ -129,9 +129,9 @@ def _store_bf16_if_exact(path: Path) -> bool:
 def responses_dirs(cfg) -> list[Path]:
     """The SFT run's responses steps (sorted), in its ``output.dir`` or else in ``sft.reuse_from``:
     a run that reused another's responses has none of its own."""
-    roots = [Path(cfg.resolve_path(cfg.output.dir))]
-    if cfg.sft.reuse_from:
-        roots.append(Path(cfg.resolve_path(cfg.sft.reuse_from)))
+    from specforge_opd.stepkeys import step_roots
+
+    roots = step_roots(cfg, Path(cfg.resolve_path(cfg.output.dir)))
     return next((found for root in roots if (found := sorted(root.glob("responses-*")))), [])
 
 
