@@ -24,7 +24,10 @@ trajectory cache. Positions/s per depth come from ``benchmarks/results/bench_sft
 Each phase resumes where it stopped (the SFT stage's own resume). The long run of the best
 point is the same command as the point with ``sft.pause_at_step=null`` (``--long POINT``); the evaluation keeps that point at the budget
 (its best validation export up to it) and adds the whole run as ``POINT-long``.
-Writes ``benchmarks/results/drafter_scaling.json`` and ``sft_scaling.png``.
+Writes ``benchmarks/results/drafter_scaling.json`` and ``sft_scaling.png``. Its top level holds
+the shipped drafter's (``published_*``), the drafter it succeeded (``previous_*``) and prompt
+lookup's mean tau. ``--phase shipped`` measures only those three, on the same cache, and
+updates them in an existing result (the curve points' runs need not be on disk).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ DATA = {"data1x": 1, "data2x": 2, "data4x": 4}
 POINTS = tuple(DATA) + tuple(DEPTHS)
 #: The point that is the config's own run (every sample, 1 layer): trained in its output.dir.
 BASE_POINT = "data4x"
-PUBLISHED = "published:smollm2-135m-instruct-dflash-b8"
+#: The shipped drafter (the long depth-3 run's plateau export) and the one it succeeded.
+PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-turns256-l3"
+PREVIOUS = "published:smollm2-135m-instruct-dflash-b8"
 
 
 def sh(args: list[str], log: Path) -> None:
@@ -110,7 +115,7 @@ def point_overrides(name: str, sup: list[int], base_tokens: int) -> tuple[list[s
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/small/sft_scaling.yaml")
-    p.add_argument("--phase", choices=["train", "eval"], default=None)
+    p.add_argument("--phase", choices=["train", "eval", "shipped"], default=None)
     p.add_argument("--points", nargs="+", default=list(POINTS), choices=POINTS)
     p.add_argument("--long", choices=POINTS, default=None, help="continue this point past the budget to its plateau")
     p.add_argument("--steps", type=int, default=None,
@@ -125,6 +130,14 @@ def main() -> int:
     args = p.parse_args()
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
+        return 0
+    if args.phase == "shipped":
+        table = json.loads(Path(args.json).read_text())
+        table.update(shipped_rows(args, ROOT / args.out, []))
+        table["shipped_command"] = sys.argv
+        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+        plot(table, Path(args.json).with_name("sft_scaling.png"))
+        print(render(table))
         return 0
 
     from specforge_opd.config import load_config
@@ -190,7 +203,6 @@ def budget_and_long(name: str, validation: dict, budget: int, final: Path) -> li
 
 
 def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
-    from specforge_opd.eval.stats import bootstrap_mean_tau, counts_of, interval
     from specforge_opd.models.drafter import read_drafter_metadata
     from specforge_opd.precision import machine_info
 
@@ -212,16 +224,33 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
         for row in budget_and_long(name, read_drafter_metadata(final)["validation"], budget, final):
             points.append({**row, **what, "trained_positions_nominal": row["steps"] * per_step,
                            "positions_per_s_bf16_stored": speed.get(what["layers"])})
-    drafters = ["--drafter", f"published={PUBLISHED}"]
+    top = shipped_rows(args, out, points)
+    best = max(points, key=lambda q: q["eval"]["mean_tau"]) if points else None
+    return {"machine": machine_info(), "command": sys.argv, "config": args.config, "base_tokens": args.base_tokens,
+            **top, "best_point": best and best["name"], "points": points}
+
+
+def shipped_rows(args, out: Path, points: list[dict]) -> dict:
+    """Replay the shipped and the previous published drafter, prompt lookup and ``points`` (each gets its ``eval``).
+
+    Every prompt of the eval config's sets, on one trajectory cache (``--cache-dir``), so every row
+    is paired. Returns the table's top level: ``eval`` (sets, tokens, method), ``published_name``,
+    ``published_mean_tau``, ``published``, ``previous_name``, ``previous_mean_tau``, ``previous``,
+    ``prompt_lookup_mean_tau``, ``prompt_lookup`` (each row: per-set ``tau``, ``mean_tau``, ``ci95``,
+    2000 bootstrap replicates over prompts).
+    """
+    from specforge_opd.eval.stats import bootstrap_mean_tau, counts_of, interval
+
+    drafters = ["--drafter", f"published={PUBLISHED}", "--drafter", f"previous={PREVIOUS}"]
     for pt in points:
         drafters += ["--drafter", f"{pt['name']}={pt['path']}"]
-    ev = out / "eval"
+    ev = out / ("eval" if points else "eval_shipped")
     sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.eval_config, "--out", str(ev), "eval.speedup=false",
         "eval.num_prompts=null", "eval.batch_size=16", f"eval.cache_dir={ROOT / args.cache_dir}", *drafters],
-       out / "logs" / "eval.log")
+       out / "logs" / ("eval.log" if points else "eval_shipped.log"))
     result = json.loads((ev / "eval.json").read_text())
     ngram = next(n for n in result["drafters"] if n.startswith("prompt lookup"))
-    names = ["published", *(pt["name"] for pt in points), ngram]
+    names = ["published", "previous", *(pt["name"] for pt in points), ngram]
     reps = bootstrap_mean_tau({n: counts_of(result, n) for n in names}, replicates=2000, seed=0)
     sets = list(result["drafters"]["published"]["datasets"])
 
@@ -232,14 +261,12 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
 
     for pt in points:
         pt["eval"] = row(pt["name"])
-    pub, ng = row("published"), row(ngram)
-    best = max(points, key=lambda q: q["eval"]["mean_tau"]) if points else None
-    return {"machine": machine_info(), "command": sys.argv, "config": args.config, "base_tokens": args.base_tokens,
-            "eval": {"sets": {ds: result["drafters"]["published"]["datasets"][ds]["num_prompts"] for ds in sets},
+    pub, prev, ng = row("published"), row("previous"), row(ngram)
+    return {"eval": {"sets": {ds: result["drafters"]["published"]["datasets"][ds]["num_prompts"] for ds in sets},
                      "max_new_tokens": result["eval"]["max_new_tokens"], "method": result.get("method")},
-            "published_mean_tau": pub["mean_tau"], "published": pub,
-            "prompt_lookup_mean_tau": ng["mean_tau"], "prompt_lookup": ng,
-            "best_point": best and best["name"], "points": points}
+            "published_name": PUBLISHED, "published_mean_tau": pub["mean_tau"], "published": pub,
+            "previous_name": PREVIOUS, "previous_mean_tau": prev["mean_tau"], "previous": prev,
+            "prompt_lookup_mean_tau": ng["mean_tau"], "prompt_lookup": ng}
 
 
 def plot(table: dict, path: Path) -> None:
@@ -267,12 +294,21 @@ def plot(table: dict, path: Path) -> None:
         b.scatter([q["data_multiple"]], [q["eval"]["mean_tau"]], marker="*", s=120,
                   label=f"{q['name']} ({q['steps'] * 1024 / 1e6:.0f}M positions)")
     b.axhline(table["prompt_lookup_mean_tau"], ls="--", c="gray", label="prompt lookup")
-    b.axhline(table["published_mean_tau"], ls=":", c="k", label="published (b8)")
+    b.axhline(table["published_mean_tau"], ls=":", c="k", label=f"published ({label(table)})")
+    if table.get("previous"):
+        b.axhline(table["previous_mean_tau"], ls=":", c="gray", label=f"previous ({label(table, 'previous')})")
     b.set_xlabel("response tokens (x the published drafter's)")
     b.set_ylabel("mean tau, three eval sets")
     b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def label(table: dict, key: str = "published") -> str:
+    """The short name of a published row: the suffix after ``smollm2-135m-instruct-dflash-`` (a result
+    written before the successor shipped has no name: its published row is ``b8``)."""
+    name = table.get(f"{key}_name", "published:smollm2-135m-instruct-dflash-b8")
+    return name.split("dflash-", 1)[-1]
 
 
 def render(table: dict) -> str:
@@ -282,7 +318,10 @@ def render(table: dict) -> str:
              "| drafter | layers | response tokens | steps (best) | val tau | " + " | ".join(sets) + " | mean tau [95% CI] |",
              "|---|---:|---:|---:|---:|" + "---:|" * (len(sets) + 1)]
     ci = lambda r: f"**{r['mean_tau']:.3f}** [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"  # noqa: E731
-    for name, r in (("published (b8)", table["published"]), ("prompt lookup", table["prompt_lookup"])):
+    shipped = [(f"published ({label(table)})", table["published"])]
+    if table.get("previous"):
+        shipped.append((f"previous ({label(table, 'previous')})", table["previous"]))
+    for name, r in (*shipped, ("prompt lookup", table["prompt_lookup"])):
         lines.append(f"| {name} | - | - | - | - | " + " | ".join(f"{r['tau'][s]:.3f}" for s in sets) + f" | {ci(r)} |")
     for pt in table["points"]:
         lines.append(f"| {pt['name']} | {pt['layers']} | {pt['response_tokens'] / 1e3:.0f}K ({pt['data_multiple']:.1f}x) | "

@@ -183,8 +183,27 @@ def test_unwritable_output_dir(capsys, no_target_load, tmp_path, tiny_dirs):
 
 def test_unknown_prompt_source_before_the_target(capsys, no_target_load, tmp_path, tiny_dirs):
     _, tdir, ddir = tiny_dirs
-    assert _run(capsys, ["opd", f"target.path={tdir}", f"draft.path={ddir}", "data.train_sources=[nope]", "--out", str(tmp_path / "o")]) == 2
+    assert _run(capsys, ["opd", f"target.path={tdir}", f"draft.path={ddir}", *TINY_SHAPE, "data.train_sources=[nope]",
+                         "--out", str(tmp_path / "o")]) == 2
     _one_line_error(capsys, "data.train_sources", "nope", "known:")
+
+
+#: the draft section that describes make_tiny_drafter's export
+TINY_SHAPE = ["draft.num_hidden_layers=2", "draft.block_size=4"]
+
+
+@pytest.mark.parametrize("override,named", [("draft.num_hidden_layers=1", "draft.num_hidden_layers is 1 but the drafter"),
+                                            ("draft.block_size=8", "draft.block_size is 8 but the drafter"),
+                                            ("draft.target_layer_ids=[0,3]", "draft.target_layer_ids is [0, 3] but the drafter")])
+def test_config_that_misdescribes_the_start_drafter(override, named, capsys, no_target_load, tmp_path, tiny_dirs):
+    """A 2-layer drafter under a config that says otherwise would size the memory plan and the FLOPs
+    ledger wrongly with no error: it is refused before the target loads, naming the override that fixes it."""
+    _, tdir, ddir = tiny_dirs
+    shape = [o for o in TINY_SHAPE if o.split("=")[0] != override.split("=")[0]]
+    assert _run(capsys, ["opd", f"target.path={tdir}", f"draft.path={ddir}", *shape, override, "--out", str(tmp_path / "o")]) == 2
+    line = _one_line_error(capsys, named, str(ddir))
+    fix = {"draft.num_hidden_layers": "draft.num_hidden_layers=2", "draft.block_size": "draft.block_size=4"}
+    assert fix.get(override.split("=")[0], "draft.target_layer_ids=[") in line
 
 
 def test_hub_id_target_offline(capsys, monkeypatch, tmp_path, tiny_dirs):

@@ -37,3 +37,21 @@ def test_long_run_keeps_the_budget_point_and_adds_its_own_row(tmp_path):
     assert (last[1]["selected_step"], last[1]["best_val_tau"]) == (1500, 1.19)
     with pytest.raises(ValueError, match="no validation point at or before step 100"):
         bench.budget_and_long("depth2", {"curve": curve, "select": "best_val", "selected_step": 1250}, 100, tmp_path)
+
+
+def test_table_names_the_shipped_and_the_previous_drafter():
+    """The top level is the shipped drafter's; a result written before it shipped still renders as b8's."""
+    bench = _bench()
+    row = lambda t: {"tau": {"mtbench": t}, "mean_tau": t, "ci95": [t - 0.01, t + 0.01]}  # noqa: E731
+    old = {"eval": {"sets": {"mtbench": 80}, "max_new_tokens": 96}, "published_mean_tau": 1.25, "published": row(1.25),
+           "prompt_lookup_mean_tau": 1.6, "prompt_lookup": row(1.6), "points": []}
+    assert "| published (b8) |" in bench.render(old) and "previous" not in bench.render(old)
+    new = {**old, "published_name": bench.PUBLISHED, "published": row(1.27), "published_mean_tau": 1.27,
+           "previous_name": bench.PREVIOUS, "previous": row(1.25), "previous_mean_tau": 1.25}
+    lines = bench.render(new).splitlines()
+    assert any(l.startswith("| published (b8-turns256-l3) |") and "1.270" in l for l in lines)
+    assert any(l.startswith("| previous (b8) |") and "1.250" in l for l in lines)
+    from specforge_opd.models.published import available
+
+    shipped = [n.split(":", 1)[-1] for n in (bench.PUBLISHED, bench.PREVIOUS)]
+    assert set(shipped) <= set(available())

@@ -204,6 +204,33 @@ def test_training_pool_slices_disjoint_and_seeded(tmp_path, cache):
         prompts.training_pool(_pool_cfg(tmp_path, rows, num_slices=3, slices=[3]), cache=cache)
 
 
+def test_source_limits_cap_one_source_and_leave_the_others(tmp_path, cache, monkeypatch):
+    """``data.source_limits`` caps a source at a seeded random subset of its survivors; an
+    unlimited source keeps every prompt; a limit on a source not trained on is refused."""
+    monkeypatch.setattr(prompts, "_POOL_MEMO", {})
+    code = _write_jsonl(tmp_path / "code.jsonl", [{"instruction": f"Write function number {i} in Python."} for i in range(60)])
+    math = _write_jsonl(tmp_path / "math.jsonl", [{"question": f"What is {i} plus {i * 3}?"} for i in range(30)])
+
+    def pool(**kw):
+        data = DataConfig(train_sources=["codealpaca", "gsm8k"], local_files={"codealpaca": code, "gsm8k": math},
+                          exclude_eval=[], **kw)
+        return prompts.training_pool_with_stats(data, cache=cache)
+
+    free, _ = pool()
+    capped, stats = pool(source_limits={"codealpaca": 10})
+    src = lambda recs, word: {r.text() for r in recs if word in r.text()}  # noqa: E731
+    assert len(src(free, "function")) == 60 and len(src(capped, "function")) == 10
+    assert src(capped, "plus") == src(free, "plus")  # the other source is untouched
+    assert stats.over_limit == {"codealpaca": 50} and stats.kept == 40 and "50 codealpaca over its data.source_limits" in stats.summary()
+    kept = sorted(int(t.split()[3]) for t in src(capped, "function"))
+    assert kept != list(range(10))  # a random subset, not the file's first rows
+    assert src(pool(source_limits={"codealpaca": 10})[0], "function") == src(capped, "function")  # seeded
+    assert src(pool(source_limits={"codealpaca": 10}, seed=5)[0], "function") != src(capped, "function")
+    assert len(pool(source_limits={"codealpaca": 100})[0]) == 90  # a limit above the source's size keeps it all
+    with pytest.raises(PromptsError, match=r"data.source_limits names \['mbpp'\].*not in data.train_sources"):
+        pool(source_limits={"mbpp": 5})
+
+
 def test_training_pool_too_long_with_tokenizer(tmp_path, cache):
     class WordTokenizer:
         def __call__(self, text, add_special_tokens=False):

@@ -698,6 +698,8 @@ class PoolStats:
     eval_overlap: int = 0
     other_slices: int = 0
     too_long: int = 0
+    #: prompts past a source's ``data.source_limits`` cap, by source
+    over_limit: dict[str, int] = field(default_factory=dict)
     kept: int = 0
 
     def summary(self) -> str:
@@ -707,6 +709,7 @@ class PoolStats:
         dropped = [f"{n} {what}" for n, what in ((self.empty, "empty"), (self.duplicates, "duplicates"),
                                                   (self.eval_overlap, "overlapping eval sets"),
                                                   (self.other_slices, "in other slices"), (self.too_long, "too long")) if n]
+        dropped += [f"{n} {name} over its data.source_limits" for name, n in self.over_limit.items()]
         return f"kept {self.kept} of {loaded} loaded ({per})" + ("; dropped " + ", ".join(dropped) if dropped else "")
 
 
@@ -720,12 +723,15 @@ def training_pool_with_stats(
     turn overlapping any ``exclude_eval`` set (``OverlapIndex``); keep prompts whose
     first user turn's hash slice is in ``slices`` (so SFT and OPD can take disjoint
     pools, a conversation's later turns going with its first); with a ``tokenizer``,
-    drop prompts whose ``context_text()`` exceeds ``max_prompt_tokens``; shuffle
-    with ``seed``; cap at ``num_prompts``.
+    drop prompts whose ``context_text()`` exceeds ``max_prompt_tokens``; keep a random
+    ``source_limits[name]`` of a limited source's survivors (seeded by ``seed`` and the
+    name; other sources are untouched, so a limit changes no other source's prompts);
+    shuffle with ``seed``; cap at ``num_prompts``.
 
     Raises:
         PromptsError: a slice outside ``[0, num_slices)``, an unknown or
-            unavailable source or eval set, or an empty result.
+            unavailable source or eval set, a ``source_limits`` key not in
+            ``train_sources``, or an empty result.
     """
     files = tuple((f, st.st_mtime_ns, st.st_size) for f in sorted((data_cfg.local_files or {}).values())
                   if os.path.isfile(f) and (st := os.stat(f)))
@@ -771,10 +777,16 @@ def _uncapped_pool(data_cfg, *, cache, tokenizer) -> tuple[list[PromptRecord], P
     )
     seen: set[str] = set()
     wanted = set(data_cfg.slices)
+    limits = dict(data_cfg.source_limits or {})
+    stray = sorted(set(limits) - set(data_cfg.train_sources))
+    if stray:
+        raise PromptsError(f"data.source_limits names {stray}, which are not in data.train_sources "
+                           f"{list(data_cfg.train_sources)}; add them there or drop their limits")
     pool: list[PromptRecord] = []
     for name in data_cfg.train_sources:
         recs = load_source(name, cache=cache, local_files=data_cfg.local_files)
         stats.loaded[name] = len(recs)
+        start = len(pool)
         for r in recs:
             first = normalize_text(r.text())
             norm = normalize_text(r.context_text())
@@ -795,6 +807,12 @@ def _uncapped_pool(data_cfg, *, cache, tokenizer) -> tuple[list[PromptRecord], P
             else:
                 seen.add(norm)
                 pool.append(r)
+        if name in limits and len(pool) - start > limits[name]:
+            # a random subset, not the file's first rows, which are often one topic or one era
+            mine = pool[start:]
+            random.Random(f"{data_cfg.seed}:{name}").shuffle(mine)
+            stats.over_limit[name] = len(mine) - limits[name]
+            pool[start:] = mine[: limits[name]]
     random.Random(data_cfg.seed).shuffle(pool)
     return pool, stats
 

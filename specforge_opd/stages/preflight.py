@@ -90,7 +90,32 @@ def check_drafter(cfg: ExperimentConfig, path, *, field: str = "draft.path") -> 
         tconf = _target_config(cfg)
     except UserError:
         return  # the target's config needs the target itself: load_target checks it
-    load_any_drafter(p, tconf, expected_mask_token_id=cfg.draft.mask_token_id, target_dtype=cfg.target.dtype)
+    model = load_any_drafter(p, tconf, expected_mask_token_id=cfg.draft.mask_token_id, target_dtype=cfg.target.dtype)
+    check_drafter_shape(cfg, model.config, field=field, where=p)
+
+
+def check_drafter_shape(cfg: ExperimentConfig, draft_config, *, field: str = "draft.path", where=None) -> None:
+    """The config's ``draft`` section describes the drafter it starts from: layers, block size, target layers.
+
+    A run continues a drafter with that drafter's own shape; the config's ``draft`` fields
+    still size the memory plan and the FLOPs ledger, so a config that says 1 layer for a
+    3-layer drafter would under-count both without any error.
+
+    Raises:
+        ConfigError: names the first mismatched ``draft.*`` field, the drafter's value and the override that fixes it.
+    """
+    from specforge_opd.models.drafter import drafter_layer_ids
+
+    have = {"num_hidden_layers": int(draft_config.num_hidden_layers),
+            "block_size": int(draft_config.block_size),
+            "target_layer_ids": drafter_layer_ids(draft_config)}
+    want = {"num_hidden_layers": cfg.draft.num_hidden_layers, "block_size": cfg.draft.block_size,
+            "target_layer_ids": list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else None}
+    for key, value in have.items():
+        if want[key] is not None and want[key] != value:
+            shown = str(value).replace(" ", "")
+            raise ConfigError(f"draft.{key} is {want[key]} but the drafter of {field} ({where}) has {value}; "
+                              f"set draft.{key}={shown} (a run keeps its start drafter's shape)")
 
 
 def check_shards(shard_dirs) -> None:
