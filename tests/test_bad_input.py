@@ -513,3 +513,11 @@ def test_atomic_link_links_or_copies_and_never_leaves_a_partial_file(tmp_path, m
     atomic.atomic_link(src, tmp_path / "c.bin")
     assert (tmp_path / "c.bin").read_bytes() == b"features" and (tmp_path / "c.bin").stat().st_ino != src.stat().st_ino
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "c.bin", "sub"]
+
+
+def test_draft_fields_left_at_their_defaults_take_the_drafter_as_it_is(capsys, no_target_load, tmp_path, tiny_dirs):
+    """A bare draft.path (no draft.* set; the schema's defaults say 1 layer, block 16) is not compared."""
+    _, tdir, ddir = tiny_dirs
+    assert _run(capsys, ["opd", f"target.path={tdir}", f"draft.path={ddir}", "data.train_sources=[nope]",
+                         "--out", str(tmp_path / "o")]) == 2
+    _one_line_error(capsys, "data.train_sources", "nope")  # past the drafter check, at the next one

@@ -95,11 +95,13 @@ def check_drafter(cfg: ExperimentConfig, path, *, field: str = "draft.path") -> 
 
 
 def check_drafter_shape(cfg: ExperimentConfig, draft_config, *, field: str = "draft.path", where=None) -> None:
-    """The config's ``draft`` section describes the drafter it starts from: layers, block size, target layers.
+    """The ``draft`` fields a config sets describe the drafter it starts from: layers, block size, target layers.
 
     A run continues a drafter with that drafter's own shape; the config's ``draft`` fields
     still size the memory plan and the FLOPs ledger, so a config that says 1 layer for a
-    3-layer drafter would under-count both without any error.
+    3-layer drafter would under-count both without any error. Fields the YAML and the
+    overrides leave at their schema defaults are not compared: a bare ``draft.path=DIR``
+    takes the drafter as it is.
 
     Raises:
         ConfigError: names the first mismatched ``draft.*`` field, the drafter's value and the override that fixes it.
@@ -111,8 +113,9 @@ def check_drafter_shape(cfg: ExperimentConfig, draft_config, *, field: str = "dr
             "target_layer_ids": drafter_layer_ids(draft_config)}
     want = {"num_hidden_layers": cfg.draft.num_hidden_layers, "block_size": cfg.draft.block_size,
             "target_layer_ids": list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else None}
+    given = cfg.draft.model_fields_set
     for key, value in have.items():
-        if want[key] is not None and want[key] != value:
+        if key in given and want[key] is not None and want[key] != value:
             shown = str(value).replace(" ", "")
             raise ConfigError(f"draft.{key} is {want[key]} but the drafter of {field} ({where}) has {value}; "
                               f"set draft.{key}={shown} (a run keeps its start drafter's shape)")
