@@ -20,7 +20,8 @@ def _write_configs(tmp_path, start: str, target: str):
     sft_yaml = tmp_path / "sft.yaml"
     sft_yaml.write_text(yaml.safe_dump({
         "target": {"path": target, "max_context": 64},
-        "draft": {"num_hidden_layers": 2, "block_size": 4, "mask_token_id": 96},
+        # the SFT recipe's own drafter is 1 layer, block 8: a baseline continues the 2-layer, block-4 start
+        "draft": {"num_hidden_layers": 1, "block_size": 8, "mask_token_id": 96},
         "data": {"train_sources": ["sharegpt"], "num_prompts": 100, "slices": [0], "num_slices": 4},
         "sft": {"max_new_tokens": 8, "val_prompts": 16},
         "training": {"num_anchors": 4},
@@ -62,6 +63,7 @@ def test_matched_baseline_starts_where_opd_started_and_spends_its_flops(tmp_path
     assert out == tmp_path / "matched" / "final"
     cfg = seen["cfg"]
     assert cfg.sft.init_drafter == str(start) and cfg.sft.val_prompts == 0
+    assert_start_shape(cfg, start)
     assert cfg.output.dir == str(tmp_path / "matched")
     if baseline == "opd_pool":
         assert cfg.data.slices == [1, 2] and cfg.data.num_prompts == 12 and cfg.data.seed == 7
@@ -206,6 +208,7 @@ def test_fair_baseline_continues_with_the_start_recipe(tmp_path, monkeypatch, so
     assert cfg.training.num_anchors == 6 and cfg.training.mixed_precision == "fp32"
     assert cfg.sft.specforge_overrides == {"training.loss_decay_gamma": 4.0}
     assert cfg.sft.init_drafter == str(start) and cfg.sft.select == "best_val" and cfg.sft.plateau_patience == 0
+    assert_start_shape(cfg, start)
     assert cfg.sft.max_new_tokens == 24
     if source == "opd_pool":
         assert cfg.data.slices == [1, 2] and cfg.data.num_prompts == 12
@@ -235,6 +238,15 @@ def test_fair_baseline_continues_with_the_start_recipe(tmp_path, monkeypatch, so
     assert cfg.sft.val_prompts == 5
     assert res["matched"] == tmp_path / "fair" / f"step_{steps}" and res["best_val"] == tmp_path / "fair" / "final"
     assert res["selected_step"] == 2 and res["recipe"]["source"].endswith("training_record.json")
+
+
+def assert_start_shape(cfg, start):
+    """The baseline's config describes the start drafter (2 layers, block 4), not its SFT YAML (1 layer, block 8)."""
+    from specforge_opd.models.drafter import drafter_shape, load_draft_config
+
+    shape = drafter_shape(load_draft_config(start))
+    assert shape["num_hidden_layers"] == 2 and shape["block_size"] == 4
+    assert {k: getattr(cfg.draft, k) for k in shape} == shape
 
 
 def load_draft_config_of(path):

@@ -126,3 +126,26 @@ def test_sft_without_init_drafter_starts_fresh(tmp_path, tiny):
     from specforge_opd.stages.sft_train import init_drafter_dir
 
     assert init_drafter_dir(load_config(None), tmp_path, tiny[0].config) is None
+
+
+def test_sft_init_drafter_of_another_shape_is_refused(tmp_path, tiny):
+    """SpecForge's warm start checks only for missing keys: a 2-layer start under a 1-layer draft section trained a
+    1-layer drafter with no error (the fair baselines did, from the 3-layer published drafter). Every shape field
+    is compared, defaults included, and the error names the overrides that fix it."""
+    from specforge_opd.config import ConfigError, load_config
+    from specforge_opd.models.draft_config import make_draft_config
+    from specforge_opd.models.drafter import drafter_shape, shape_overrides
+    from specforge_opd.stages.sft_train import check_init_shape
+
+    target, drafter = tiny
+    start = save_drafter(drafter, tmp_path / "start")
+    base = [f"sft.init_drafter={start}", f"draft.mask_token_id={TINY_MASK}"]
+    cfg = load_config(None, base)  # the schema's defaults: 1 layer, block 16
+    with pytest.raises(ConfigError) as e:
+        check_init_shape(cfg, make_draft_config(cfg, target.config, TINY_MASK), target.config)
+    msg = str(e.value)
+    assert msg.startswith(f"sft.init_drafter={start}: draft.num_hidden_layers is 1 but the drafter has 2; ")
+    assert "draft.block_size is 16 but the drafter has 4" in msg
+    assert "set draft.num_hidden_layers=2 draft.block_size=4 draft.target_layer_ids=[1,1]" in msg
+    fixed = load_config(None, base + shape_overrides(drafter_shape(drafter)))
+    check_init_shape(fixed, make_draft_config(fixed, target.config, TINY_MASK), target.config)

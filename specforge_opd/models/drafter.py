@@ -152,6 +152,29 @@ def drafter_layer_ids(model_or_config) -> list[int]:
     return [int(i) for i in cfg.dflash_config["target_layer_ids"]]
 
 
+#: The ``draft`` config fields that fix a drafter's shape: a run continuing a drafter must say the same.
+SHAPE_FIELDS = ("num_hidden_layers", "block_size", "target_layer_ids", "intermediate_size")
+
+
+def drafter_shape(model_or_config) -> dict:
+    """The drafter's shape as ``draft`` config values: ``{num_hidden_layers, block_size, target_layer_ids,
+    intermediate_size}`` (ints; the layer ids a list of ints)."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return {"num_hidden_layers": int(cfg.num_hidden_layers), "block_size": int(cfg.block_size),
+            "target_layer_ids": drafter_layer_ids(cfg), "intermediate_size": int(cfg.intermediate_size)}
+
+
+def shape_overrides(shape: dict) -> list[str]:
+    """``draft.<field>=<value>`` overrides that make a config describe a drafter of ``shape`` (``drafter_shape``)."""
+    return [f"draft.{k}={str(v).replace(' ', '')}" for k, v in shape.items()]
+
+
+def shape_mismatches(want: dict, have: dict) -> list[str]:
+    """``draft.F is A but the drafter has B`` for each field of ``want`` (None: not compared) that differs from ``have``."""
+    return [f"draft.{k} is {want[k]} but the drafter has {have[k]}" for k in SHAPE_FIELDS
+            if want.get(k) is not None and want[k] != have[k]]
+
+
 def drafter_mask_token_id(model_or_config) -> int:
     cfg = getattr(model_or_config, "config", model_or_config)
     return int(cfg.dflash_config["mask_token_id"])

@@ -183,7 +183,7 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
     """
     from specforge_opd.config import load_config
     from specforge_opd.models.drafter import read_drafter_metadata
-    from specforge_opd.stages.compare import matched_steps, opd_drafter_flops
+    from specforge_opd.stages.compare import matched_steps, opd_drafter_flops, start_shape_overrides
     from specforge_opd.stages.sft import run_sft
 
     if source not in SOURCES:
@@ -207,8 +207,9 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
         ov, note = recipe_overrides(rec, sft_cfg.target.device)
         if note:
             print(f"[baseline] {note}", file=sys.stderr)
-    # the user's own overrides come last: an explicit change of the recipe wins, on purpose
-    ov = ov + list(overrides or []) + [
+    # the start's shape, then its recipe; the user's own overrides come last: an explicit change of the recipe
+    # wins, on purpose (a change of the shape is refused by the SFT stage: the start's weights would not fit)
+    ov = start_shape_overrides(sft_cfg, start) + ov + list(overrides or []) + [
         f"output.dir={out}", f"sft.init_drafter={start}", f"sft.val_prompts={len(val)}", "sft.select=best_val",
         "sft.plateau_patience=0", "sft.pause_at_step=null", f"sft.max_new_tokens={opd_cfg.rollout.max_new_tokens}"]
     cfg = load_config(sft_config, ov)

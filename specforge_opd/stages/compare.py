@@ -55,6 +55,17 @@ def matched_steps(sft_cfg, start: Path, responses: list, opd_flops: float) -> tu
     return max(1, math.ceil(opd_flops / per_step)), per_step
 
 
+def start_shape_overrides(sft_cfg, start: Path) -> list[str]:
+    """``draft.*`` overrides that give an SFT config the shape of the drafter at ``start`` (layers, block
+    size, target layers, MLP width): a baseline continues that drafter, whatever its SFT YAML says."""
+    from transformers import AutoConfig
+
+    from specforge_opd.models.drafter import drafter_shape, load_drafter, shape_overrides
+
+    tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
+    return shape_overrides(drafter_shape(load_drafter(start, target_config=tcfg)))
+
+
 def _target_of(cfg, start: Path) -> str:
     """The target's HF directory: the one the starting drafter records, else the config's."""
     from specforge_opd.models.target import target_dir
@@ -76,7 +87,7 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
     """Train (b), the matched-FLOPs SFT drafter; returns its export directory.
 
     (b) continues SFT (``sft_config``'s training recipe, fresh warm-up) from the drafter
-    OPD started from (the OPD config's ``draft.path``) for the drafter-training FLOPs
+    OPD started from (the OPD config's ``draft.path``, with its shape) for the drafter-training FLOPs
     the OPD run spent. ``baseline``: ``opd_pool`` (default; the paper's Figure 4
     baseline) trains on the target's responses to the OPD stage's own prompt pool
     (its ``data`` section, ``rollout.max_new_tokens``), so it needs no SFT data: a
@@ -97,7 +108,7 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
     opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     opd = opd_drafter_flops(opd_final)
     out = Path(out or sft_out.parent / "sft_matched")
-    ov = list(overrides or []) + [f"output.dir={out}", f"sft.init_drafter={start}",
+    ov = start_shape_overrides(sft_cfg, start) + list(overrides or []) + [f"output.dir={out}", f"sft.init_drafter={start}",
                                   # the baseline is the drafter at the matched FLOPs, not the best point of a curve
                                   "sft.val_prompts=0"]
     if baseline == "sft_data":

@@ -95,7 +95,8 @@ def check_drafter(cfg: ExperimentConfig, path, *, field: str = "draft.path") -> 
 
 
 def check_drafter_shape(cfg: ExperimentConfig, draft_config, *, field: str = "draft.path", where=None) -> None:
-    """The ``draft`` fields a config sets describe the drafter it starts from: layers, block size, target layers.
+    """The ``draft`` fields a config sets describe the drafter it starts from: layers, block size, target
+    layers, MLP width (``models.drafter.SHAPE_FIELDS``).
 
     A run continues a drafter with that drafter's own shape; the config's ``draft`` fields
     still size the memory plan and the FLOPs ledger, so a config that says 1 layer for a
@@ -106,19 +107,17 @@ def check_drafter_shape(cfg: ExperimentConfig, draft_config, *, field: str = "dr
     Raises:
         ConfigError: names the first mismatched ``draft.*`` field, the drafter's value and the override that fixes it.
     """
-    from specforge_opd.models.drafter import drafter_layer_ids
+    from specforge_opd.models.drafter import drafter_shape, shape_mismatches, shape_overrides
 
-    have = {"num_hidden_layers": int(draft_config.num_hidden_layers),
-            "block_size": int(draft_config.block_size),
-            "target_layer_ids": drafter_layer_ids(draft_config)}
-    want = {"num_hidden_layers": cfg.draft.num_hidden_layers, "block_size": cfg.draft.block_size,
-            "target_layer_ids": list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else None}
+    have = drafter_shape(draft_config)
     given = cfg.draft.model_fields_set
-    for key, value in have.items():
-        if key in given and want[key] is not None and want[key] != value:
-            shown = str(value).replace(" ", "")
-            raise ConfigError(f"draft.{key} is {want[key]} but the drafter of {field} ({where}) has {value}; "
-                              f"set draft.{key}={shown} (a run keeps its start drafter's shape)")
+    want = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k in have
+            if k in given and (v := getattr(cfg.draft, k)) is not None}
+    bad = shape_mismatches(want, have)
+    if bad:
+        fix = " ".join(o for o in shape_overrides(have) if o.split("=")[0] in {m.split()[0] for m in bad})
+        raise ConfigError(f"{bad[0].replace('the drafter', f'the drafter of {field} ({where})')}; set {fix} "
+                          "(a run keeps its start drafter's shape)")
 
 
 def check_shards(shard_dirs) -> None:

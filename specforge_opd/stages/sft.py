@@ -54,6 +54,7 @@ from specforge_opd.stages.sft_features import (
 )
 from specforge_opd.stages.sft_train import (
     _publish_launch,
+    check_init_shape,
     follow_node0,
     gpu_count,
     init_drafter_dir,
@@ -242,6 +243,8 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     tokenizer = bundle.tokenizer if bundle is not None else AutoTokenizer.from_pretrained(tpath)
     mask = resolve_mask_token_id(cfg, target_config, tokenizer)
     dcfg = make_draft_config(cfg, target_config, mask)
+    if cfg.sft.init_drafter:
+        check_init_shape(cfg, dcfg, target_config)
     layer_ids = [int(i) for i in dcfg.dflash_config["target_layer_ids"]]
     tid = target_key(tpath)
 

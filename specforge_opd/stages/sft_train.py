@@ -258,6 +258,30 @@ def init_drafter_dir(cfg: ExperimentConfig, t_dir: Path, target_config) -> Optio
     return dest
 
 
+def check_init_shape(cfg: ExperimentConfig, draft_config, target_config) -> None:
+    """The drafter the SFT stage builds (``draft_config``, from the ``draft`` section) has ``sft.init_drafter``'s shape.
+
+    SpecForge's warm start loads the start's weights by name and checks only for missing
+    keys, so a 3-layer start under a 1-layer ``draft`` section trains a 1-layer drafter with
+    no error. Every shape field is compared, defaults included: the SFT stage builds its
+    drafter from the ``draft`` section, not from the start.
+
+    Raises:
+        ConfigError: names each mismatched ``draft.*`` field and the overrides that fix them.
+        DrafterError: as ``models.drafter.load_drafter``.
+    """
+    from specforge_opd.models.drafter import drafter_path, drafter_shape, load_drafter, shape_mismatches, shape_overrides
+
+    start = load_drafter(drafter_path(cfg.resolve_path(cfg.sft.init_drafter)), target_config=target_config)
+    have = drafter_shape(start)
+    bad = shape_mismatches(drafter_shape(draft_config), have)
+    if bad:
+        fields = {m.split()[0] for m in bad}
+        fix = " ".join(o for o in shape_overrides(have) if o.split("=")[0] in fields)
+        raise ConfigError(f"sft.init_drafter={cfg.sft.init_drafter}: {'; '.join(bad)}; set {fix} "
+                          "(SpecForge would load its weights into a drafter of another shape)")
+
+
 def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_config_file: Path, features: Path,
                          out_dir: Path, num_samples: int, mask_token_id: int, gpus: int,
                          nodes: Optional[Nodes] = None, init_dir: Optional[Path] = None) -> dict:
