@@ -188,6 +188,13 @@ def test_unknown_prompt_source_before_the_target(capsys, no_target_load, tmp_pat
     _one_line_error(capsys, "data.train_sources", "nope", "known:")
 
 
+def test_source_limit_for_a_source_not_trained_on_before_the_target(capsys, no_target_load, tmp_path, tiny_dirs):
+    _, tdir, ddir = tiny_dirs
+    assert _run(capsys, ["opd", f"target.path={tdir}", f"draft.path={ddir}", "data.source_limits={mbpp: 5}",
+                         "--out", str(tmp_path / "o")]) == 2
+    _one_line_error(capsys, "data.source_limits", "mbpp", "not in data.train_sources")
+
+
 #: the draft section that describes make_tiny_drafter's export
 TINY_SHAPE = ["draft.num_hidden_layers=2", "draft.block_size=4"]
 
@@ -202,8 +209,12 @@ def test_config_that_misdescribes_the_start_drafter(override, named, capsys, no_
     shape = [o for o in TINY_SHAPE if o.split("=")[0] != override.split("=")[0]]
     assert _run(capsys, ["opd", f"target.path={tdir}", f"draft.path={ddir}", *shape, override, "--out", str(tmp_path / "o")]) == 2
     line = _one_line_error(capsys, named, str(ddir))
-    fix = {"draft.num_hidden_layers": "draft.num_hidden_layers=2", "draft.block_size": "draft.block_size=4"}
-    assert fix.get(override.split("=")[0], "draft.target_layer_ids=[") in line
+    from specforge_opd.models.drafter import drafter_layer_ids, load_draft_config
+
+    ids = ",".join(str(i) for i in drafter_layer_ids(load_draft_config(ddir)))
+    fix = {"draft.num_hidden_layers": "draft.num_hidden_layers=2", "draft.block_size": "draft.block_size=4",
+           "draft.target_layer_ids": f"draft.target_layer_ids=[{ids}]"}
+    assert f"set {fix[override.split('=')[0]]} " in line
 
 
 def test_hub_id_target_offline(capsys, monkeypatch, tmp_path, tiny_dirs):

@@ -60,3 +60,34 @@ def test_publish_finds_the_responses_of_a_run_that_reused_them(tmp_path):
     (tmp_path / "run" / "responses-own").mkdir()
     assert published.responses_dirs(cfg) == [tmp_path / "run" / "responses-own"]
     assert published.responses_dirs(load_config(None, [f"output.dir={tmp_path / 'none'}"])) == []
+
+
+def _configs_starting_from_published():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    return sorted(str(p.relative_to(root.parent)) for p in root.rglob("*.yaml")
+                  if str(((yaml.safe_load(p.read_text()) or {}).get("draft") or {}).get("path", "")).startswith(published.SCHEME))
+
+
+@pytest.mark.parametrize("config", _configs_starting_from_published())
+def test_configs_describe_the_published_drafter_they_start_from(config):
+    """A config's draft section sizes the memory plan and the FLOPs ledger: it says the start drafter's shape."""
+    from pathlib import Path
+
+    from specforge_opd.config import load_config
+    from specforge_opd.models.drafter import load_draft_config
+    from specforge_opd.stages.preflight import check_drafter_shape
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / config)
+    check_drafter_shape(cfg, load_draft_config(cfg.resolve_path(cfg.draft.path)), where=cfg.draft.path)
+    assert cfg.draft.path == published.SCHEME + published.EMBEDDED_DRAFTER  # the main job starts from the shipped one
+
+
+def test_publish_needs_a_name(capsys):
+    """Publishing over a shipped name would replace the drafter users' configs resolve: no default name."""
+    with pytest.raises(SystemExit) as e:
+        published.cli(["publish", "--export", "x", "--config", "y"])
+    assert e.value.code == 2 and "--name" in capsys.readouterr().err

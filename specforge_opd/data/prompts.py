@@ -741,14 +741,16 @@ def training_pool_with_stats(
         pool, stats = _uncapped_pool(data_cfg, cache=cache, tokenizer=tokenizer)
         # the tokenizer is held so that its id is not reused while the entry lives
         _POOL_MEMO.update(key=key, pool=pool, stats=stats, tokenizer=tokenizer)
-    pool, stats = list(_POOL_MEMO["pool"]), dataclasses.replace(_POOL_MEMO["stats"], loaded=dict(_POOL_MEMO["stats"].loaded))
+    memo = _POOL_MEMO["stats"]
+    pool, stats = list(_POOL_MEMO["pool"]), dataclasses.replace(memo, loaded=dict(memo.loaded), over_limit=dict(memo.over_limit))
     if data_cfg.num_prompts is not None:
         pool = pool[: data_cfg.num_prompts]
     stats.kept = len(pool)
     log.info(
-        "training pool: kept %d of %s; dropped %d overlapping %s, %d duplicates, %d empty, %d in other slices, %d too long",
+        "training pool: kept %d of %s; dropped %d overlapping %s, %d duplicates, %d empty, %d in other slices, %d too long, "
+        "%s over data.source_limits",
         stats.kept, stats.loaded, stats.eval_overlap, data_cfg.exclude_eval, stats.duplicates, stats.empty,
-        stats.other_slices, stats.too_long,
+        stats.other_slices, stats.too_long, stats.over_limit or 0,
     )  # fmt: skip
     if not pool:
         raise PromptsError(f"the training pool is empty ({stats}); check data.train_sources, data.slices, data.exclude_eval")
@@ -758,6 +760,20 @@ def training_pool_with_stats(
 #: The last uncapped pool built in this process: a stage asks for its prompts and then for the
 #: held-out ones after them (the same pool with a larger cap), and a long pool takes a minute.
 _POOL_MEMO: dict[str, Any] = {}
+
+
+def checked_source_limits(data_cfg) -> dict[str, int]:
+    """``data.source_limits`` as a dict, each key one of ``data.train_sources``.
+
+    Raises:
+        PromptsError: a limit names a source the pool does not load.
+    """
+    limits = dict(data_cfg.source_limits or {})
+    stray = sorted(set(limits) - set(data_cfg.train_sources))
+    if stray:
+        raise PromptsError(f"data.source_limits names {stray}, which are not in data.train_sources "
+                           f"{list(data_cfg.train_sources)}; add them there or drop their limits")
+    return limits
 
 
 def _uncapped_pool(data_cfg, *, cache, tokenizer) -> tuple[list[PromptRecord], PoolStats]:
@@ -777,11 +793,7 @@ def _uncapped_pool(data_cfg, *, cache, tokenizer) -> tuple[list[PromptRecord], P
     )
     seen: set[str] = set()
     wanted = set(data_cfg.slices)
-    limits = dict(data_cfg.source_limits or {})
-    stray = sorted(set(limits) - set(data_cfg.train_sources))
-    if stray:
-        raise PromptsError(f"data.source_limits names {stray}, which are not in data.train_sources "
-                           f"{list(data_cfg.train_sources)}; add them there or drop their limits")
+    limits = checked_source_limits(data_cfg)
     pool: list[PromptRecord] = []
     for name in data_cfg.train_sources:
         recs = load_source(name, cache=cache, local_files=data_cfg.local_files)

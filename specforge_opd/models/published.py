@@ -1,9 +1,10 @@
 """Drafters shipped in the package: the embedded target's published DFlash drafter.
 
 A user starts OPD from a published DFlash checkpoint; on the embedded default
-that is ``published:smollm2-135m-instruct-dflash-b8``, the plateau drafter of
-``configs/small/sft.yaml`` (the SFT stage trained until validation tau stopped
-rising). Any config path field that names a drafter accepts ``published:NAME``
+that is ``published:smollm2-135m-instruct-dflash-b8-turns256-l3``, the plateau drafter
+of ``configs/small/sft_turns256_l3.yaml`` (3 layers; the SFT stage trained until
+validation tau stopped rising). Its predecessor, ``...-dflash-b8`` (1 layer,
+``configs/small/sft.yaml``), still ships and resolves. Any config path field that names a drafter accepts ``published:NAME``
 (``config.ExperimentConfig.resolve_path``).
 
 Each published drafter is an HF DFlash directory (``config.json``,
@@ -29,8 +30,8 @@ from typing import Optional
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 #: Prefix of a config path that names a published drafter.
 SCHEME = "published:"
-#: The embedded target's published drafter.
-EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8"
+#: The embedded target's published drafter: the one the main job and the OPD study start from.
+EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8-turns256-l3"
 RECORD_FILE = "training_record.json"
 #: The check recorded at publish time and recomputed by the test: prompts per eval set, new tokens.
 CHECK_PROMPTS = 4
@@ -135,7 +136,7 @@ def responses_dirs(cfg) -> list[Path]:
     return next((found for root in roots if (found := sorted(root.glob("responses-*")))), [])
 
 
-def publish(export: Path, config_file: Path, name: str = EMBEDDED_DRAFTER, check_overrides: Optional[list[str]] = None) -> Path:
+def publish(export: Path, config_file: Path, name: str, check_overrides: Optional[list[str]] = None) -> Path:
     """Copy the SFT export ``export`` (trained with ``config_file``) into the package as ``name``,
     with its training record and the recorded check; returns the published directory.
 
@@ -196,7 +197,8 @@ def cli(argv: Optional[list[str]] = None) -> int:
     pub = sub.add_parser("publish", help="copy an SFT export into the package with its training record")
     pub.add_argument("--export", required=True)
     pub.add_argument("--config", required=True)
-    pub.add_argument("--name", default=EMBEDDED_DRAFTER)
+    # no default: a name is what users' configs resolve, and publishing over a shipped one replaces it
+    pub.add_argument("--name", required=True, help="the drafter's name; say what changed (e.g. ...-b8-turns256-l3)")
     sub.add_parser("list", help="list the published drafters")
     args = p.parse_args(argv)
     if args.cmd == "list":

@@ -47,9 +47,10 @@ def check_prompt_sources(cfg: ExperimentConfig) -> None:
     Raises:
         PromptsError: as ``data.prompts.training_pool_with_stats`` would, but before any load.
     """
-    from specforge_opd.data.prompts import HUB_SOURCES, KNOWN_SOURCES, PromptsError, _hub_offline
+    from specforge_opd.data.prompts import HUB_SOURCES, KNOWN_SOURCES, PromptsError, _hub_offline, checked_source_limits
 
     d = cfg.data
+    checked_source_limits(d)
     bad = [s for s in d.slices if not 0 <= s < d.num_slices]
     if bad or not d.slices:
         raise PromptsError(f"data.slices={d.slices} must be a non-empty list of ints in [0, data.num_slices={d.num_slices})")
