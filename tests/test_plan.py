@@ -236,3 +236,30 @@ def test_train_opd_script_checks_the_rendezvous(tmp_path):
     r = subprocess.run(["bash", script, cfg, "--dry-run"], env=dict(base, NNODES="2", NPROC="8"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "per rank (16 ranks)" in r.stdout
+
+
+def test_plan_takes_the_start_drafters_shape_where_the_config_leaves_it(tmp_path):
+    """A bare draft.path to a block-4, 2-layer drafter: the spool estimate is the drafter's (the schema's default
+    block 16 would overstate it ~4x and could refuse a run that fits); fields the config sets stay its own."""
+    from conftest import make_tiny_drafter, make_tiny_target
+
+    from specforge_opd.models.drafter import save_drafter
+    from specforge_opd.stages.plan import captured_layers, with_start_shape
+
+    d = save_drafter(make_tiny_drafter(make_tiny_target(), block_size=4, layers=2), tmp_path / "d")
+    bare = load_config(None, [f"draft.path={d}", "rollout.teacher=full", "data.max_prompt_tokens=16"])
+    shaped = with_start_shape(bare)
+    assert (shaped.draft.block_size, shaped.draft.num_hidden_layers) == (4, 2)
+    assert captured_layers(shaped) == len(shaped.draft.target_layer_ids)
+    assert estimate_sequence_bytes(shaped, 64, 2) < estimate_sequence_bytes(bare, 64, 2)
+    budget = estimate_sequence_bytes(shaped, 64, captured_layers(shaped)) * 8  # one 8-prompt iteration fits
+    tight = [f"draft.path={d}", "rollout.teacher=full", "data.max_prompt_tokens=16", f"opd.spool_budget_bytes={budget}",
+             "opd.prompts_per_iteration=8"]
+    cfg = load_config(None, tight)
+    with pytest.raises(PlanError, match="opd.spool_budget_bytes"):
+        make_plan(cfg, 8, 64, captured_layers(cfg))
+    ok = with_start_shape(cfg)
+    make_plan(ok, 8, 64, captured_layers(ok))
+    given = with_start_shape(load_config(None, [f"draft.path={d}", "draft.num_hidden_layers=2"]))
+    assert given.draft.block_size == 4 and given.draft.num_hidden_layers == 2
+    assert with_start_shape(load_config(None, [])).draft.block_size == 16  # no start drafter: the config's own

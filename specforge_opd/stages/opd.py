@@ -53,6 +53,7 @@ from specforge_opd.stages.plan import (
     make_plan,
     per_rank_schedule,
     planned_world_size,
+    with_start_shape,
 )
 from specforge_opd.stepkeys import dir_bytes
 
@@ -135,6 +136,7 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
         PlanError: the schedule does not fit (see ``plan.make_plan``, ``plan.per_rank_schedule``).
     """
     tconf = _target_config(cfg)
+    cfg = with_start_shape(cfg)  # the start drafter's shape where the config leaves it unset
     hidden, n_target, n_captured = int(tconf.hidden_size), int(tconf.num_hidden_layers), captured_layers(cfg)
     from specforge_opd.data.prompts import HUB_SOURCES
 
@@ -360,7 +362,8 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     else:
         pool_stats = "given by the caller"
     tconf = getattr(bundle.model.config, "text_config", bundle.model.config)
-    plan = make_plan(cfg, len(prompts), int(tconf.hidden_size), captured_layers(cfg))
+    shaped = with_start_shape(cfg)  # the spool estimate needs the start drafter's block size
+    plan = make_plan(shaped, len(prompts), int(tconf.hidden_size), captured_layers(shaped))
     if cfg.training.batch_size * cfg.training.accumulation_steps * world != cfg.opd.prompts_per_step:
         # one optimizer step per prompts_per_step prompts: derive accumulation from it
         per_rank = cfg.opd.prompts_per_step // world

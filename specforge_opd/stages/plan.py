@@ -47,6 +47,28 @@ class PlanError(UserError, ValueError):
     """The configuration cannot run as planned; the message names the setting to change."""
 
 
+def with_start_shape(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with the ``draft`` shape fields it leaves at their defaults taken from its start drafter.
+
+    The plan sizes shards by ``draft.block_size`` and the captured layers: a bare
+    ``draft.path`` to a block-8 drafter under the schema's default block 16 would double
+    the spool estimate and could refuse a run that fits. Fields a config sets are its own
+    (``preflight.check_drafter_shape`` refuses them when they differ). A start without a
+    ``config.json`` (a SpecForge checkpoint) keeps the config's values: the loader reads it
+    later, and the plan is an estimate.
+    """
+    from specforge_opd.models.drafter import DrafterError, drafter_shape, load_draft_config
+
+    if not cfg.draft.path:
+        return cfg
+    try:
+        shape = drafter_shape(load_draft_config(cfg.resolve_path(cfg.draft.path)))
+    except (DrafterError, UserError):
+        return cfg
+    unset = {k: v for k, v in shape.items() if k not in cfg.draft.model_fields_set}
+    return cfg.model_copy(update={"draft": cfg.draft.model_copy(update=unset)}) if unset else cfg
+
+
 def captured_layers(cfg: ExperimentConfig) -> int:
     """Target layers whose features a shard row carries: ``draft.target_layer_ids``, or
     one per drafter layer (SpecForge's ``build_target_layer_ids`` default)."""
