@@ -325,8 +325,9 @@ def test_main_job_compares_against_the_fair_baseline(tmp_path, monkeypatch):
     assert rec["recipe"] == "start" and rec["steps"] == 9 and rec["selected_step"] == 3
 
 
-def test_readme_opd_at_scale_table_is_the_committed_result():
-    """The README's OPD-at-scale table is bench_opd_at_scale.py --render of benchmarks/results/opd_at_scale.json."""
+@pytest.mark.parametrize("name", ["opd_at_scale", "opd_at_scale_b8"])
+def test_readme_opd_at_scale_table_is_the_committed_result(name):
+    """Each README OPD-at-scale table is bench_opd_at_scale.py --render of its benchmarks/results/<name>.json."""
     import importlib.util
     import json
     from pathlib import Path
@@ -336,5 +337,5 @@ def test_readme_opd_at_scale_table_is_the_committed_result():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     readme = (root / "README.md").read_text()
-    block = readme.split("<!-- opd_at_scale:begin -->")[1].split("<!-- opd_at_scale:end -->")[0].strip()
-    assert block == bench.render(json.loads((root / "benchmarks" / "results" / "opd_at_scale.json").read_text())).strip()
+    block = readme.split(f"<!-- {name}:begin -->")[1].split(f"<!-- {name}:end -->")[0].strip()
+    assert block == bench.render(json.loads((root / "benchmarks" / "results" / f"{name}.json").read_text())).strip()
