@@ -169,10 +169,14 @@ def shape_overrides(shape: dict) -> list[str]:
     return [f"draft.{k}={str(v).replace(' ', '')}" for k, v in shape.items()]
 
 
-def shape_mismatches(want: dict, have: dict) -> list[str]:
-    """``draft.F is A but the drafter has B`` for each field of ``want`` (None: not compared) that differs from ``have``."""
-    return [f"draft.{k} is {want[k]} but the drafter has {have[k]}" for k in SHAPE_FIELDS
-            if want.get(k) is not None and want[k] != have[k]]
+def shape_mismatch(want: dict, have: dict) -> Optional[str]:
+    """``draft.F is A but the drafter has B; ...; set draft.F=B ...`` for the fields of ``want`` (absent or None:
+    not compared) that differ from ``have`` (``drafter_shape``); None when every compared field agrees."""
+    bad = [k for k in SHAPE_FIELDS if want.get(k) is not None and want[k] != have[k]]
+    if not bad:
+        return None
+    fix = " ".join(o for k, o in zip(have, shape_overrides(have)) if k in bad)
+    return "; ".join(f"draft.{k} is {want[k]} but the drafter has {have[k]}" for k in bad) + f"; set {fix}"
 
 
 def drafter_mask_token_id(model_or_config) -> int:

@@ -106,19 +106,17 @@ def check_drafter_shape(cfg: ExperimentConfig, draft_config, *, field: str = "dr
     takes the drafter as it is.
 
     Raises:
-        ConfigError: names the first mismatched ``draft.*`` field, the drafter's value and the override that fixes it.
+        ConfigError: names each mismatched ``draft.*`` field, the drafter's value and the overrides that fix them.
     """
-    from specforge_opd.models.drafter import drafter_shape, shape_mismatches, shape_overrides
+    from specforge_opd.models.drafter import drafter_shape, shape_mismatch
 
     have = drafter_shape(draft_config)
     given = cfg.draft.model_fields_set
     want = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k in have
             if k in given and (v := getattr(cfg.draft, k)) is not None}
-    bad = shape_mismatches(want, have)
+    bad = shape_mismatch(want, have)
     if bad:
-        fix = " ".join(o for o in shape_overrides(have) if o.split("=")[0] in {m.split()[0] for m in bad})
-        raise ConfigError(f"{bad[0].replace('the drafter', f'the drafter of {field} ({where})')}; set {fix} "
-                          "(a run keeps its start drafter's shape)")
+        raise ConfigError(f"{field} ({where}): {bad} (a run keeps its start drafter's shape)")
 
 
 def check_shards(shard_dirs) -> None:

@@ -270,15 +270,12 @@ def check_init_shape(cfg: ExperimentConfig, draft_config, target_config) -> None
         ConfigError: names each mismatched ``draft.*`` field and the overrides that fix them.
         DrafterError: as ``models.drafter.load_drafter``.
     """
-    from specforge_opd.models.drafter import drafter_path, drafter_shape, load_drafter, shape_mismatches, shape_overrides
+    from specforge_opd.models.drafter import drafter_path, drafter_shape, load_drafter, shape_mismatch
 
     start = load_drafter(drafter_path(cfg.resolve_path(cfg.sft.init_drafter)), target_config=target_config)
-    have = drafter_shape(start)
-    bad = shape_mismatches(drafter_shape(draft_config), have)
+    bad = shape_mismatch(drafter_shape(draft_config), drafter_shape(start))
     if bad:
-        fields = {m.split()[0] for m in bad}
-        fix = " ".join(o for o in shape_overrides(have) if o.split("=")[0] in fields)
-        raise ConfigError(f"sft.init_drafter={cfg.sft.init_drafter}: {'; '.join(bad)}; set {fix} "
+        raise ConfigError(f"sft.init_drafter={cfg.sft.init_drafter}: {bad} "
                           "(SpecForge would load its weights into a drafter of another shape)")
 
 
