@@ -134,7 +134,9 @@ def main() -> int:
     if args.phase == "shipped":
         table = json.loads(Path(args.json).read_text())
         table.update(shipped_rows(args, ROOT / args.out, []))
-        table["shipped_command"] = sys.argv
+        from specforge_opd.precision import machine_info
+
+        table["shipped_command"], table["shipped_machine"] = sys.argv, machine_info()
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
         plot(table, Path(args.json).with_name("sft_scaling.png"))
         print(render(table))
