@@ -183,12 +183,15 @@ def main() -> int:
     p.add_argument("--in-sample", type=int, default=64, help="OPD pool prompts replayed for the in-sample tau")
     p.add_argument("--eval-prompts", type=int, default=None, help="prompts per eval set (default: all of them)")
     p.add_argument("--replicates", type=int, default=2000)
-    p.add_argument("--json", help="write the table's data here (e.g. benchmarks/results/opd_at_scale.json)")
+    p.add_argument("--json", help="write the table's data here (e.g. benchmarks/results/opd_at_scale.json); the rows of other "
+                   "(pool, seed) pairs already in that file are kept (merge)")
     args = p.parse_args()
     out = ROOT / args.out
     if args.phase == "curves":
         table = collect_curves(args)
         print(json.dumps(table["runs"], indent=1))
+        if args.json and Path(args.json).is_file():  # keep the curves of runs this checkout no longer has
+            table["runs"] = {**json.loads(Path(args.json).read_text())["runs"], **table["runs"]}
         if args.json:
             Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
         return 0
@@ -223,6 +226,8 @@ def main() -> int:
         f"eval.cache_dir={out / 'trajectory_cache'}", *eval_args], out / "logs" / "eval.log")
     result = json.loads((ev / "eval.json").read_text())
     table = summarize(result, drafters, args)
+    if args.json and Path(args.json).is_file():
+        table = merge(json.loads(Path(args.json).read_text()), table)
     (out / "opd_at_scale.md").write_text(render(table) + "\n")
     print(render(table))
     if args.json:
@@ -306,6 +311,60 @@ def summarize(result: dict, drafters: dict[str, dict], args) -> dict:
             "eval": {"method": result.get("method"), "max_new_tokens": result["eval"]["max_new_tokens"]}}
 
 
+def _pool_seed(row: dict) -> tuple:
+    return row.get("pool"), row.get("seed")
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``new`` with the rows and ratios of ``old`` for the (pool, seed) pairs ``new`` did not run.
+
+    A session replays the drafters of the seeds it trained; earlier seeds' runs may be gone, so
+    their rows are kept from the committed table. Every row is measured on the same prompts of
+    the same evaluation sets and the same target trajectories, so the start drafter's row must
+    agree; a disagreement (other prompts, other target, other evaluation) is refused.
+
+    Raises:
+        ValueError: the two tables' start rows, prompts or evaluation settings differ.
+    """
+    start = lambda t: next(r for r in t["rows"] if r["kind"] == "start")  # noqa: E731
+    for key in ("prompts", "eval"):
+        if old.get(key) != new.get(key):
+            raise ValueError(f"--json: the committed table has {key}={old.get(key)}, this run {new.get(key)}; "
+                             "write this run to another --json file")
+    if abs(start(old)["mean_tau"] - start(new)["mean_tau"]) > 1e-9:
+        raise ValueError(f"--json: the start drafter's mean tau differs ({start(old)['mean_tau']:.6f} committed, "
+                         f"{start(new)['mean_tau']:.6f} now): other trajectories; write this run to another --json file")
+    ran = {_pool_seed(r) for r in new["rows"] if r["kind"] != "start"}
+    kept = [r for r in old["rows"] if r["kind"] != "start" and _pool_seed(r) not in ran]
+    names = {r["drafter"] for r in kept}
+    out = dict(new)
+    out["rows"] = new["rows"] + kept
+    out["ratios"] = new["ratios"] + [e for e in old["ratios"] if e["drafter"] in names]
+    out["merged_from"] = sorted({f"p{p} s{s}" for p, s in (_pool_seed(r) for r in kept)})
+    out["machines"] = old.get("machines", [old.get("machine")]) + [new.get("machine")]
+    return out
+
+
+def across_seeds(table: dict) -> list[dict]:
+    """Per OPD variant, selection and pool: its ratio over the start and over the best fair baseline at each
+    seed, and the lowest of them (the OPD study's goal holds at every seed)."""
+    groups: dict[tuple, dict] = {}
+    rows = {r["drafter"]: r for r in table["rows"]}
+    for e in table["ratios"]:
+        r = rows[e["drafter"]]
+        name = e["drafter"].rsplit(" s", 1)[0]
+        g = groups.setdefault((name, r["pool"]), {"drafter": name, "pool": r["pool"], "seeds": [],
+                                                  "over_start": [], "over_best_baseline": []})
+        g["seeds"].append(r["seed"])
+        for k in ("over_start", "over_best_baseline"):
+            if e.get(k):
+                g[k].append(e[k]["ratio"])
+    for g in groups.values():
+        for k in ("over_start", "over_best_baseline"):
+            g[f"min_{k}"] = min(g[k]) if g[k] else None
+    return sorted(groups.values(), key=lambda g: (g["pool"], g["drafter"]))
+
+
 def render(table: dict) -> str:
     """The README's table from ``opd_at_scale.json``: ``python benchmarks/bench_opd_at_scale.py --render FILE``."""
     ds = table["datasets"]
@@ -326,6 +385,14 @@ def render(table: dict) -> str:
         for e in table["ratios"]:
             lines.append(f"| {e['drafter']} | {cell(e.get('over_start'))} | {cell(e.get('over_best_baseline'))}"
                          + (f" ({e['over_best_baseline']['against']})" if e.get("over_best_baseline") else "") + " |")
+    groups = [g for g in across_seeds(table) if len(g["seeds"]) > 1]
+    if groups:
+        lines += ["", "| OPD drafter | pool | seeds | over the start, per seed (lowest) | over the best fair baseline, "
+                  "per seed (lowest) |", "|---|---:|---|---:|---:|"]
+        per = lambda g, k: (", ".join(f"{x:.3f}" for x in g[k]) + f" (**{g['min_' + k]:.3f}**)") if g[k] else "-"  # noqa: E731
+        for g in groups:
+            lines.append(f"| {g['drafter']} | {g['pool']} | {', '.join(map(str, g['seeds']))} | "
+                         f"{per(g, 'over_start')} | {per(g, 'over_best_baseline')} |")
     return "\n".join(lines)
 
 

@@ -339,3 +339,48 @@ def test_readme_opd_at_scale_table_is_the_committed_result(name):
     readme = (root / "README.md").read_text()
     block = readme.split(f"<!-- {name}:begin -->")[1].split(f"<!-- {name}:end -->")[0].strip()
     assert block == bench.render(json.loads((root / "benchmarks" / "results" / f"{name}.json").read_text())).strip()
+
+
+def _bench_opd_at_scale():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_opd_at_scale", root / "benchmarks" / "bench_opd_at_scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _scale_table(seed: int, opd: float, sft: float, start: float = 1.2) -> dict:
+    def row(name, kind, tau):
+        return {"drafter": name, "kind": kind, "select": "-", "pool": None if kind == "start" else 192,
+                "seed": None if kind == "start" else seed, "tau": {"a": tau}, "mean_tau": tau, "ci95": [tau, tau],
+                "drafter_flops": None, "val_tau": None, "pool_tau": None, "path": "-"}
+
+    rows = [row("start", "start", start), row(f"OPD naive best-val s{seed}", "opd", opd),
+            row(f"SFT fair fresh matched s{seed}", "sft", sft)]
+    ratios = [{"drafter": f"OPD naive best-val s{seed}",
+               "over_start": {"against": "start", "ratio": opd / start, "ci95": [0, 9]},
+               "over_best_baseline": {"against": f"SFT fair fresh matched s{seed}", "ratio": opd / sft, "ci95": [0, 9]}}]
+    return {"machine": {"cpu_model": f"m{seed}"}, "prompts": {"a": 3}, "datasets": ["a"], "rows": rows, "ratios": ratios,
+            "replicates": 10, "eval": {"method": "replay", "max_new_tokens": 96}}
+
+
+def test_opd_at_scale_merges_seeds_and_reports_the_lowest_ratio():
+    """A later session's seed joins the committed table: the earlier seed's rows stay, a rerun seed replaces its
+    own, and the across-seed table names each seed's ratio and the lowest; other trajectories are refused."""
+    bench = _bench_opd_at_scale()
+    s0, s1 = _scale_table(0, 1.32, 1.30), _scale_table(1, 1.26, 1.25)
+    merged = bench.merge(s0, s1)
+    assert [r["drafter"] for r in merged["rows"]] == ["start", "OPD naive best-val s1", "SFT fair fresh matched s1",
+                                                       "OPD naive best-val s0", "SFT fair fresh matched s0"]
+    assert merged["merged_from"] == ["p192 s0"]
+    again = bench.merge(merged, _scale_table(1, 1.27, 1.25))  # seed 1 rerun: replaced, not duplicated
+    assert sum(r["seed"] == 1 for r in again["rows"]) == 2
+    (g,) = bench.across_seeds(merged)
+    assert g["seeds"] == [1, 0] and abs(g["min_over_start"] - 1.26 / 1.2) < 1e-12
+    assert abs(g["min_over_best_baseline"] - 1.26 / 1.25) < 1e-12
+    assert "(**1.008**)" in bench.render(merged)
+    with pytest.raises(ValueError, match="start drafter's mean tau differs"):
+        bench.merge(s0, _scale_table(1, 1.3, 1.2, start=1.1))

@@ -40,8 +40,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
-from tqdm import tqdm
 
+from specforge_opd import progress
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_text
 from specforge_opd.config import ConfigError, ExperimentConfig
 from specforge_opd.errors import UserError
@@ -223,7 +223,8 @@ class TrajectoryCache:
         todo = [i for i, tr in enumerate(found) if tr is None]
         # chunks of FILL_CHUNK_BATCHES batches, each one continuous batch of batch_size rows, stored before the next
         per = self.batch_size * FILL_CHUNK_BATCHES
-        for s in tqdm(range(0, len(todo), per), desc=desc, leave=False, disable=None if todo else True):
+        chunks = progress.bar(len(todo), desc, "prompt", disable=not todo, leave=False)
+        for s in range(0, len(todo), per):
             chunk = todo[s:s + per]
             self.target_calls += 1
             gens = _greedy_generate(self.model, [prompts[i] for i in chunk], self.max_new_tokens, self.stop_token_ids,
@@ -232,6 +233,8 @@ class TrajectoryCache:
                 ids = torch.tensor(list(prompts[i]) + gen, dtype=torch.long)
                 finished = bool(gen) and gen[-1] in self.stop_token_ids
                 found[i] = self._complete(keys[i], Trajectory(ids, len(prompts[i]), {}, torch.zeros(0), finished), layer_ids)
+            chunks.update(len(chunk))
+        chunks.close()
         return [self._complete(k, tr, layer_ids) for k, tr in zip(keys, found)]
 
     def _complete(self, key: str, tr: Trajectory, layer_ids: list[int]) -> Trajectory:
@@ -379,7 +382,7 @@ def offline_tau(
     w = target_model.get_output_embeddings().weight
     states = [_Replay(tr, sid) for tr, sid in zip(trajectories, sample_ids)]
     total = sum(s.E - 1 - s.a for s in states)
-    bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=None if total >= 2048 else True)
+    bar = progress.bar(total, desc, "tok", disable=total < 2048, leave=False)
     for s in states:
         if not s.done:
             _context_kv(drafter, embed, s, layer_ids, mask_id, dtype, device)

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from specforge_opd import progress
 from specforge_opd.config import RolloutConfig
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
@@ -405,9 +406,7 @@ def generate_to_shards(engine: "SpeculativeEngine", prompts: list, writer, *, pe
 
 
 def _progress(total: int, disable: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="rollout tokens", unit="tok", disable=disable or not sys.stderr.isatty(), leave=False)
+    return progress.bar(total, "rollout tokens", "tok", disable=disable, log=False, leave=False)
 
 
 # ---------------------------------------------------------------------------
@@ -562,8 +561,6 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
                            draft_path=str(cfg.resolve_path(cfg.draft.path)), out_dir=Path(out_dir))
         print(f"rollout ({cfg.rollout.backend}): {n} sequences -> {out_dir}")
         return 0
-    from tqdm import tqdm
-
     from specforge_opd.rollout.shards import written_sample_ids
 
     # a rerun into the same directory resumes: sequences already in complete shards are kept
@@ -573,7 +570,7 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         print(f"rollout: resuming in {out_dir}: {len(prompts) - len(todo)} of {len(prompts)} sequences already written",
               file=sys.stderr)
     steps = toks = 0
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq")
+    bar = progress.bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo))
 
     def on_write(recs):
         nonlocal steps, toks

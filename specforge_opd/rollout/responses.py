@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from specforge_opd import progress
 from specforge_opd.atomic import atomic_write_bytes
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.stepkeys import SFTError
@@ -185,13 +186,11 @@ def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: 
     a donor's chunk c whose prompts (ids and tokens, in order) are this chunk's is copied
     instead of generated, so a grown pool pays only for its new prompts.
     """
-    from tqdm import tqdm
-
     chunk = cfg.sft.chunk_prompts
     n_chunks = math.ceil(len(tokenized) / chunk)
     stop = set(bundle.stop_token_ids)
     done_before = sum((d / f"chunk_{c:05d}.jsonl").is_file() for c in range(n_chunks))
-    bar = tqdm(total=len(tokenized), desc="sft responses", unit="prompt", initial=min(len(tokenized), done_before * chunk))
+    bar = progress.bar(len(tokenized), "sft responses", "prompt", initial=min(len(tokenized), done_before * chunk))
     for c in range(n_chunks):
         f = d / f"chunk_{c:05d}.jsonl"
         if f.is_file():

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional
 import aiohttp
 import torch
 
+from specforge_opd import progress
 from specforge_opd.config import SGLangConfig
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import PerSequenceTarget, greedy_only_error
@@ -363,12 +364,10 @@ def verify_rollout_to_shards(
     shard written before it, and passing the written sample ids as ``done_ids``
     resumes. Returns the number of sequences rolled out.
     """
-    from tqdm import tqdm
-
     done = set(done_ids)
     todo = [(sid, ids) for sid, ids in prompts if sid not in done]
     n = 0
-    with tqdm(total=len(todo), desc="rollout (SGLang verify)", unit="seq") as bar:
+    with progress.bar(len(todo), "rollout (SGLang verify)", "seq") as bar:
         for start in range(0, len(todo), sequences_per_shard):
             group = todo[start : start + sequences_per_shard]
             recs = asyncio.run(verify_rollout_async(endpoints, drafter, group, sglang_cfg=sglang_cfg, progress=bar.update, **kw))

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from specforge_opd import progress
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.errors import DiskFullError, is_disk_full
@@ -210,8 +211,6 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs, and
     ``healed``: damaged shards moved aside on resume (their prompts were rolled out again).
     """
-    from tqdm import tqdm
-
     from specforge_opd.rollout.shards import ShardWriter, read_shards, written_sample_ids
 
     writer = ShardWriter(shard_dir, meta)
@@ -227,7 +226,7 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
         sglang_rollout(cfg, bundle, engine.drafter, todo, writer, drafter_step=drafter_step, draft_path=drafter_dir,
                        out_dir=shard_dir)
         todo = []
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rollout", unit="seq", disable=rank != 0, dynamic_ncols=True)
+    bar = progress.bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo), disable=rank != 0)
     from specforge_opd.rollout.engine import generate_to_shards
 
     written: list = []
