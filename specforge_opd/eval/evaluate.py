@@ -53,6 +53,7 @@ from specforge_opd.models.drafter import (
     load_drafter,
     read_drafter_metadata,
 )
+from specforge_opd.models.grouped_attention import grouped_attention
 from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
 
 CACHE_VERSION = 1
@@ -61,6 +62,8 @@ CACHE_VERSION = 1
 FILL_CHUNK_BATCHES = 4
 #: Rows per lm_head chunk when the trajectory cache computes top-2 logit gaps.
 GAP_CHUNK = 256
+#: Trajectories replayed in lockstep together (offline_tau): their contexts pad to the group's longest.
+REPLAY_GROUP = 64
 
 
 class EvalError(UserError, ValueError):
@@ -354,8 +357,10 @@ def offline_tau(
     sequence); a_{m+1} = a_m + r_m + 1. No target forward.
 
     Cost: the context keys/values of each trajectory are computed once
-    (``_context_kv``); prompts then advance in lockstep, one block each per
-    round, in one batched drafter forward (contexts right-padded, masked) and a
+    (``_context_kv``) and padded once per group of ``REPLAY_GROUP`` trajectories of
+    similar length; a group's prompts then advance in lockstep, one block each per
+    round, in one batched drafter forward (contexts right-padded, masked; grouped-query
+    attention without repeating the keys, ``models.grouped_attention``) and a
     chunked lm_head (slots 1, 2-3, 4-7, ...) that stops, per prompt, after the
     chunk holding the first mismatch: later slots cannot change the verdict.
 
@@ -383,23 +388,43 @@ def offline_tau(
     states = [_Replay(tr, sid) for tr, sid in zip(trajectories, sample_ids)]
     total = sum(s.E - 1 - s.a for s in states)
     bar = progress.bar(total, desc, "tok", disable=total < 2048, leave=False)
-    for s in states:
-        if not s.done:
-            _context_kv(drafter, embed, s, layer_ids, mask_id, dtype, device)
-    active = [s for s in states if not s.done]
+    # longest first, in groups of similar length: a group's contexts pad to its own longest
+    order = sorted((i for i, s in enumerate(states) if not s.done), key=lambda i: -states[i].E)
+    with grouped_attention(drafter):
+        for g in range(0, len(order), REPLAY_GROUP):
+            group = [states[i] for i in order[g:g + REPLAY_GROUP]]
+            for s in group:
+                _context_kv(drafter, embed, s, layer_ids, mask_id, dtype, device)
+            _replay_group(drafter, embed, w, group, bs, mask_id, dtype, device, full_drafts, bar)
+    bar.close()
+    return [s.record(bs) for s in states]
+
+
+def _padded_context(group: list[_Replay], n_layers: int) -> tuple[dict, dict]:
+    """Per layer, the group's context keys/values right-padded to its longest: [n, nkv, S, hd]."""
+    keys, values = {}, {}
+    S = max(s.keys[0].shape[1] for s in group)
+    for l in range(n_layers):
+        k0 = group[0].keys[l]
+        keys[l] = k0.new_zeros((len(group), k0.shape[0], S, k0.shape[2]))
+        values[l] = k0.new_zeros((len(group), k0.shape[0], S, k0.shape[2]))
+        for i, s in enumerate(group):
+            keys[l][i, :, : s.keys[l].shape[1]] = s.keys[l]
+            values[l][i, :, : s.values[l].shape[1]] = s.values[l]
+        for s in group:  # the padded copy is the only one kept
+            s.keys[l] = s.values[l] = None
+    return keys, values
+
+
+def _replay_group(drafter, embed, w, active: list[_Replay], bs: int, mask_id: int, dtype, device, full_drafts: bool,
+                  bar) -> None:
+    """Replay ``active`` (context keys/values computed) in lockstep, one block each per round (``offline_tau``)."""
     n_layers = len(drafter.layers)
+    keys, values = _padded_context(active, n_layers)
     while active:
         n = len(active)
         anchors = torch.tensor([s.a for s in active], device=device)
         S = int(anchors.max())
-        keys, values = {}, {}
-        for l in range(n_layers):
-            k0 = active[0].keys[l]
-            keys[l] = k0.new_zeros((n, k0.shape[0], S, k0.shape[2]))
-            values[l] = k0.new_zeros((n, k0.shape[0], S, k0.shape[2]))
-            for i, s in enumerate(active):
-                keys[l][i, :, : s.a] = s.keys[l][:, : s.a]
-                values[l][i, :, : s.a] = s.values[l][:, : s.a]
         # attend to the row's own context (pad slots masked) and to its whole block
         attend = torch.arange(S, device=device).unsqueeze(0) < anchors.unsqueeze(1)
         attend = torch.cat([attend, torch.ones(n, bs, dtype=torch.bool, device=device)], dim=1)
@@ -410,7 +435,8 @@ def offline_tau(
             noise_embedding=embed(block).to(dtype),
             position_ids=anchors.unsqueeze(1) + torch.arange(bs, device=device),
             attention_mask=attend[:, None, None, :].expand(n, 1, bs, S + bs),
-            past_key_values=_ContextKV(keys, values),
+            past_key_values=_ContextKV({l: k[:, :, :S] for l, k in keys.items()},
+                                       {l: v[:, :, :S] for l, v in values.items()}),
             use_cache=True,
         )[:, 1:].to(w.dtype)  # slots 1..bs-1
         d = torch.full((n, bs - 1), -1, dtype=torch.long)
@@ -438,9 +464,12 @@ def offline_tau(
             s.accepted.append(r[i])
             bar.update(min(r[i] + 1, s.E - 1 - s.a))
             s.a += r[i] + 1
-        active = [s for s in active if not s.done]
-    bar.close()
-    return [s.record(bs) for s in states]
+        keep = [i for i, s in enumerate(active) if not s.done]
+        if len(keep) < n:  # drop finished rows from the padded context once, not every round
+            idx = torch.tensor(keep, dtype=torch.long, device=device)
+            keys = {l: k.index_select(0, idx) for l, k in keys.items()}
+            values = {l: v.index_select(0, idx) for l, v in values.items()}
+            active = [active[i] for i in keep]
 
 
 def offline_replay(drafter, target_model, traj: Trajectory, *, sample_id: str = "", full_drafts: bool = False) -> RolloutRecord:
