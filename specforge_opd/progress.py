@@ -35,7 +35,7 @@ class _Lines:
         self.stream.flush()
 
 
-def bar(total: Optional[int], desc: str, unit: str = "it", *, initial: int = 0, disable: bool = False,
+def progress_bar(total: Optional[int], desc: str, unit: str = "it", *, initial: int = 0, disable: bool = False,
         log: bool = True, leave: bool = True) -> tqdm:
     """A tqdm bar over ``total`` units of ``unit``, starting at ``initial`` (work already done).
 

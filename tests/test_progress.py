@@ -10,7 +10,7 @@ def _run(monkeypatch, **kw) -> str:
     err = io.StringIO()  # not a TTY, like a job's log file
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
-    bar = progress.bar(4, "replay", "tok", **kw)
+    bar = progress.progress_bar(4, "replay", "tok", **kw)
     for _ in range(4):
         bar.update(1)
     bar.close()

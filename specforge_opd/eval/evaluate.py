@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from specforge_opd import progress
+from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_text
 from specforge_opd.config import ConfigError, ExperimentConfig
 from specforge_opd.errors import UserError
@@ -226,7 +226,7 @@ class TrajectoryCache:
         todo = [i for i, tr in enumerate(found) if tr is None]
         # chunks of FILL_CHUNK_BATCHES batches, each one continuous batch of batch_size rows, stored before the next
         per = self.batch_size * FILL_CHUNK_BATCHES
-        chunks = progress.bar(len(todo), desc, "prompt", disable=not todo, leave=False)
+        chunks = progress_bar(len(todo), desc, "prompt", disable=not todo, leave=False)
         for s in range(0, len(todo), per):
             chunk = todo[s:s + per]
             self.target_calls += 1
@@ -387,7 +387,7 @@ def offline_tau(
     w = target_model.get_output_embeddings().weight
     states = [_Replay(tr, sid) for tr, sid in zip(trajectories, sample_ids)]
     total = sum(s.E - 1 - s.a for s in states)
-    bar = progress.bar(total, desc, "tok", disable=total < 2048, leave=False)
+    bar = progress_bar(total, desc, "tok", disable=total < 2048, leave=False)
     # longest first, in groups of similar length: a group's contexts pad to its own longest
     order = sorted((i for i, s in enumerate(states) if not s.done), key=lambda i: -states[i].E)
     with grouped_attention(drafter):

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specforge_opd import progress
+from specforge_opd.progress import progress_bar
 from specforge_opd.config import RolloutConfig
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
@@ -406,7 +406,7 @@ def generate_to_shards(engine: "SpeculativeEngine", prompts: list, writer, *, pe
 
 
 def _progress(total: int, disable: bool):
-    return progress.bar(total, "rollout tokens", "tok", disable=disable, log=False, leave=False)
+    return progress_bar(total, "rollout tokens", "tok", disable=disable, log=False, leave=False)
 
 
 # ---------------------------------------------------------------------------
@@ -570,7 +570,7 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         print(f"rollout: resuming in {out_dir}: {len(prompts) - len(todo)} of {len(prompts)} sequences already written",
               file=sys.stderr)
     steps = toks = 0
-    bar = progress.bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo))
+    bar = progress_bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo))
 
     def on_write(recs):
         nonlocal steps, toks

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from specforge_opd import progress
+from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_write_bytes
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.stepkeys import SFTError
@@ -190,7 +190,7 @@ def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: 
     n_chunks = math.ceil(len(tokenized) / chunk)
     stop = set(bundle.stop_token_ids)
     done_before = sum((d / f"chunk_{c:05d}.jsonl").is_file() for c in range(n_chunks))
-    bar = progress.bar(len(tokenized), "sft responses", "prompt", initial=min(len(tokenized), done_before * chunk))
+    bar = progress_bar(len(tokenized), "sft responses", "prompt", initial=min(len(tokenized), done_before * chunk))
     for c in range(n_chunks):
         f = d / f"chunk_{c:05d}.jsonl"
         if f.is_file():

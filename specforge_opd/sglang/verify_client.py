@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 import aiohttp
 import torch
 
-from specforge_opd import progress
+from specforge_opd.progress import progress_bar
 from specforge_opd.config import SGLangConfig
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import PerSequenceTarget, greedy_only_error
@@ -367,7 +367,7 @@ def verify_rollout_to_shards(
     done = set(done_ids)
     todo = [(sid, ids) for sid, ids in prompts if sid not in done]
     n = 0
-    with progress.bar(len(todo), "rollout (SGLang verify)", "seq") as bar:
+    with progress_bar(len(todo), "rollout (SGLang verify)", "seq") as bar:
         for start in range(0, len(todo), sequences_per_shard):
             group = todo[start : start + sequences_per_shard]
             recs = asyncio.run(verify_rollout_async(endpoints, drafter, group, sglang_cfg=sglang_cfg, progress=bar.update, **kw))

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from specforge_opd import progress
+from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.errors import DiskFullError, is_disk_full
@@ -226,7 +226,7 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
         sglang_rollout(cfg, bundle, engine.drafter, todo, writer, drafter_step=drafter_step, draft_path=drafter_dir,
                        out_dir=shard_dir)
         todo = []
-    bar = progress.bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo), disable=rank != 0)
+    bar = progress_bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo), disable=rank != 0)
     from specforge_opd.rollout.engine import generate_to_shards
 
     written: list = []

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from specforge_opd import progress
+from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_link, atomic_write, atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.rollout.responses import ResponseRecord
@@ -166,7 +166,7 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
                 if not _link_donor(donors, j, sample_ids(records[i], cfg.target.max_context), len(records[i].prompt_ids),
                                    feature_path(d, j))]
     dtype = drafter_dtype(cfg)
-    bar = progress.bar(len(kept), "sft features", "sample", initial=len(kept) - len(todo))
+    bar = progress_bar(len(kept), "sft features", "sample", initial=len(kept) - len(todo))
     if todo:
         runner = TargetRunner.of(get_model())
         seqs = [sample_ids(records[i], cfg.target.max_context) for _, i in todo]

@@ -49,7 +49,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from specforge_opd import progress
+from specforge_opd.progress import progress_bar
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import optimizer_and_scheduler
@@ -567,7 +567,7 @@ def distill(
         # 4. the loop
         bar = None
         if progress and rank == 0:
-            bar = progress.bar(total, "distill", "step", initial=step)
+            bar = progress_bar(total, "distill", "step", initial=step)
         steps_run, last = 0, {}
         while step < total:
             t0 = time.perf_counter()
