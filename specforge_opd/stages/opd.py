@@ -238,7 +238,7 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
         written.extend(recs[-64:])  # a window for the bar's tau
         del written[:-64]
         bar.update(len(recs))
-        bar.set_postfix(tau=f"{tau_of(written):.2f}")
+        bar.set_postfix(tau=f"{tau_of(written):.2f}", refresh=False)
         shards_now += 1
         if fault_after_shards is not None and shards_now >= fault_after_shards:
             from specforge_opd.train.trainer import InjectedFault

@@ -663,7 +663,7 @@ def distill(
                 metrics.log(last)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
+                bar.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}", refresh=False)
             if step % tc.checkpoint_interval == 0 or step == total:
                 save_checkpoint(ckpt_root, step, drafter, optimizer, trainer_state(), keep=tc.keep_checkpoints)
             steps_run += 1
