@@ -191,7 +191,7 @@ def main() -> int:
         table = collect_curves(args)
         print(json.dumps(table["runs"], indent=1))
         if args.json and Path(args.json).is_file():  # keep the curves of runs this checkout no longer has
-            table["runs"] = {**json.loads(Path(args.json).read_text())["runs"], **table["runs"]}
+            table["runs"] = {**json.loads(Path(args.json).read_text()).get("runs", {}), **table["runs"]}
         if args.json:
             Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
         return 0
@@ -337,11 +337,16 @@ def merge(old: dict, new: dict) -> dict:
     ran = {_pool_seed(r) for r in new["rows"] if r["kind"] != "start"}
     kept = [r for r in old["rows"] if r["kind"] != "start" and _pool_seed(r) not in ran]
     names = {r["drafter"] for r in kept}
+    clash = names & {r["drafter"] for r in new["rows"]}
+    if clash:  # row names carry the seed, not the pool
+        raise ValueError(f"--json: rows {sorted(clash)} are in the committed table under another pool; "
+                         "write this pool's run to another --json file")
     out = dict(new)
     out["rows"] = new["rows"] + kept
     out["ratios"] = new["ratios"] + [e for e in old["ratios"] if e["drafter"] in names]
     out["merged_from"] = sorted({f"p{p} s{s}" for p, s in (_pool_seed(r) for r in kept)})
-    out["machines"] = old.get("machines", [old.get("machine")]) + [new.get("machine")]
+    machines = old.get("machines", [old.get("machine")]) + [new.get("machine")]
+    out["machines"] = [m for i, m in enumerate(machines) if m not in machines[:i]]
     return out
 
 
@@ -356,12 +361,15 @@ def across_seeds(table: dict) -> list[dict]:
         g = groups.setdefault((name, r["pool"]), {"drafter": name, "pool": r["pool"], "seeds": [],
                                                   "over_start": [], "over_best_baseline": []})
         g["seeds"].append(r["seed"])
-        for k in ("over_start", "over_best_baseline"):
-            if e.get(k):
-                g[k].append(e[k]["ratio"])
+        for k in ("over_start", "over_best_baseline"):  # None where a seed has no such ratio, so lists align
+            g[k].append(e[k]["ratio"] if e.get(k) else None)
     for g in groups.values():
+        order = sorted(range(len(g["seeds"])), key=lambda i: g["seeds"][i])
+        for k in ("seeds", "over_start", "over_best_baseline"):
+            g[k] = [g[k][i] for i in order]
         for k in ("over_start", "over_best_baseline"):
-            g[f"min_{k}"] = min(g[k]) if g[k] else None
+            got = [x for x in g[k] if x is not None]
+            g[f"min_{k}"] = min(got) if got else None
     return sorted(groups.values(), key=lambda g: (g["pool"], g["drafter"]))
 
 
@@ -389,7 +397,8 @@ def render(table: dict) -> str:
     if groups:
         lines += ["", "| OPD drafter | pool | seeds | over the start, per seed (lowest) | over the best fair baseline, "
                   "per seed (lowest) |", "|---|---:|---|---:|---:|"]
-        per = lambda g, k: (", ".join(f"{x:.3f}" for x in g[k]) + f" (**{g['min_' + k]:.3f}**)") if g[k] else "-"  # noqa: E731
+        per = lambda g, k: (", ".join("-" if x is None else f"{x:.3f}" for x in g[k])  # noqa: E731
+                            + f" (**{g['min_' + k]:.3f}**)") if g["min_" + k] is not None else "-"
         for g in groups:
             lines.append(f"| {g['drafter']} | {g['pool']} | {', '.join(map(str, g['seeds']))} | "
                          f"{per(g, 'over_start')} | {per(g, 'over_best_baseline')} |")

@@ -11,6 +11,7 @@ ends.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Optional
 
@@ -20,14 +21,17 @@ from tqdm import tqdm
 LOG_INTERVAL_S = 30.0
 
 
+_CURSOR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 class _Lines:
-    """A text stream for tqdm that turns its carriage-return redraws into whole lines."""
+    """A text stream for tqdm that turns its redraws (carriage returns, cursor moves of nested bars) into whole lines."""
 
     def __init__(self, stream):
         self.stream = stream
 
     def write(self, s: str) -> None:
-        s = s.replace("\r", "").strip()
+        s = _CURSOR.sub("", s.replace("\r", "")).strip()
         if s:
             self.stream.write(s + "\n")
 
@@ -36,12 +40,15 @@ class _Lines:
 
 
 def progress_bar(total: Optional[int], desc: str, unit: str = "it", *, initial: int = 0, disable: bool = False,
-        log: bool = True, leave: bool = True) -> tqdm:
+                 log: bool = True, leave: bool = True) -> tqdm:
     """A tqdm bar over ``total`` units of ``unit``, starting at ``initial`` (work already done).
 
     ``disable`` hides it everywhere (for example on ranks other than 0); ``log=False`` hides
     it only where stderr is not a terminal (an inner bar whose outer bar already reports).
     In a log the bar writes one line per ``LOG_INTERVAL_S`` seconds and a last one at close.
+
+    Returns:
+        The tqdm bar (``update``, ``set_postfix``, ``close``; usable as a context manager).
     """
     tty = sys.stderr.isatty()
     if tty:

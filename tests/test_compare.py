@@ -379,8 +379,14 @@ def test_opd_at_scale_merges_seeds_and_reports_the_lowest_ratio():
     again = bench.merge(merged, _scale_table(1, 1.27, 1.25))  # seed 1 rerun: replaced, not duplicated
     assert sum(r["seed"] == 1 for r in again["rows"]) == 2
     (g,) = bench.across_seeds(merged)
-    assert g["seeds"] == [1, 0] and abs(g["min_over_start"] - 1.26 / 1.2) < 1e-12
+    assert g["seeds"] == [0, 1] and abs(g["min_over_start"] - 1.26 / 1.2) < 1e-12
+    assert g["over_start"] == [1.32 / 1.2, 1.26 / 1.2]
     assert abs(g["min_over_best_baseline"] - 1.26 / 1.25) < 1e-12
     assert "(**1.008**)" in bench.render(merged)
     with pytest.raises(ValueError, match="start drafter's mean tau differs"):
         bench.merge(s0, _scale_table(1, 1.3, 1.2, start=1.1))
+    other_pool = _scale_table(0, 1.3, 1.2)
+    for r in other_pool["rows"][1:]:
+        r["pool"] = 384
+    with pytest.raises(ValueError, match="under another pool"):
+        bench.merge(s0, other_pool)

@@ -57,3 +57,14 @@ def test_replay_attends_grouped_and_restores_the_config(tiny_target, tiny_drafte
     for a, b in zip(whole, pairs):
         assert a.anchors.tolist() == b.anchors.tolist() and a.accepted.tolist() == b.accepted.tolist()
         assert torch.equal(a.drafts, b.drafts)
+
+
+def test_a_causal_call_is_left_to_transformers_sdpa():
+    """Stacked query heads would let a query see the next head's later positions: causal calls fall back."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 6, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+    m = _Attn()
+    m.is_causal = True
+    want, _ = sdpa_attention_forward(m, q, k, v, None)
+    got, _ = ga.grouped_sdpa_attention(m, q, k, v, None)
+    torch.testing.assert_close(got, want)

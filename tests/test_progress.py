@@ -28,3 +28,16 @@ def test_a_log_gets_whole_lines_with_the_count(monkeypatch):
 def test_inner_and_disabled_bars_stay_out_of_a_log(monkeypatch):
     assert _run(monkeypatch, log=False) == ""
     assert _run(monkeypatch, disable=True) == ""
+
+
+def test_nested_bars_write_no_cursor_moves_into_a_log(monkeypatch):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    outer = progress.progress_bar(2, "outer")
+    inner = progress.progress_bar(2, "inner")
+    inner.update(2)
+    inner.close()
+    outer.update(2)
+    outer.close()
+    assert "\x1b" not in err.getvalue() and "inner: 100%" in err.getvalue()

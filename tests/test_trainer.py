@@ -201,3 +201,21 @@ def test_verified_accepted_stream_trains_the_bonus_slot_too(tmp_path, setup):
     with pytest.raises(ValueError, match="accepted_stream=verified"):
         distill(_cfg(tmp_path / "tok", accepted_stream="verified"), drafter_init=drafter, out_dir=tmp_path / "tok",
                 target=target, records=token, progress=False)
+
+
+def test_distill_shows_its_progress_in_a_log(tmp_path, setup, monkeypatch):
+    """With its progress bar on and stderr a log file (not a terminal), distill runs and the log gets
+    whole progress lines (the bar once failed: its module name was shadowed by distill's own flag)."""
+    import io
+    import sys
+
+    from specforge_opd import progress
+
+    target, drafter, records = setup
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    cfg = _cfg(tmp_path, learning_rate=1e-3, num_epochs=1, batch_size=3)
+    res = distill(cfg, drafter_init=drafter, out_dir=tmp_path, target=target, records=records, progress=True)
+    lines = [x for x in err.getvalue().splitlines() if x.startswith("distill:")]
+    assert lines and f"{res.total_steps}/{res.total_steps}" in lines[-1] and "\r" not in err.getvalue()

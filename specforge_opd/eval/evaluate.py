@@ -41,7 +41,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_text
 from specforge_opd.config import ConfigError, ExperimentConfig
 from specforge_opd.errors import UserError
@@ -54,6 +53,7 @@ from specforge_opd.models.drafter import (
     read_drafter_metadata,
 )
 from specforge_opd.models.grouped_attention import grouped_attention
+from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
 
 CACHE_VERSION = 1
@@ -286,7 +286,7 @@ class _Replay:
         self.ids = traj.input_ids.tolist()
         self.E = len(self.ids)
         self.a = traj.prompt_len
-        self.keys: dict[int, torch.Tensor] = {}  # layer -> [nkv, E-1, hd], RoPE applied
+        self.keys: dict[int, Optional[torch.Tensor]] = {}  # layer -> [nkv, E-1, hd], RoPE applied; None once padded
         self.values: dict[int, torch.Tensor] = {}
         self.anchors: list[int] = []
         self.drafts: list[torch.Tensor] = []
@@ -401,7 +401,9 @@ def offline_tau(
 
 
 def _padded_context(group: list[_Replay], n_layers: int) -> tuple[dict, dict]:
-    """Per layer, the group's context keys/values right-padded to its longest: [n, nkv, S, hd]."""
+    """Per layer, the group's context keys/values right-padded to its longest: {layer: [n, nkv, S, hd]}
+    in the drafter's dtype (zeros past each row's context, masked in the attention). Releases the
+    per-trajectory copies (``_Replay.keys``/``values`` become None): the padded copy is the only one kept."""
     keys, values = {}, {}
     S = max(s.keys[0].shape[1] for s in group)
     for l in range(n_layers):
@@ -411,14 +413,22 @@ def _padded_context(group: list[_Replay], n_layers: int) -> tuple[dict, dict]:
         for i, s in enumerate(group):
             keys[l][i, :, : s.keys[l].shape[1]] = s.keys[l]
             values[l][i, :, : s.values[l].shape[1]] = s.values[l]
-        for s in group:  # the padded copy is the only one kept
+        for s in group:
             s.keys[l] = s.values[l] = None
     return keys, values
 
 
 def _replay_group(drafter, embed, w, active: list[_Replay], bs: int, mask_id: int, dtype, device, full_drafts: bool,
                   bar) -> None:
-    """Replay ``active`` (context keys/values computed) in lockstep, one block each per round (``offline_tau``)."""
+    """Replay ``active`` in lockstep, one block each per round, as ``offline_tau`` describes.
+
+    Args:
+        active: the group's replay states, their context keys/values computed (``_context_kv``);
+            each gets its anchors, drafts and accepted counts appended, and its anchor advanced.
+        embed, w: the target's input embedding and lm_head weight [V, H].
+        bs, mask_id: the drafter's block size and mask token.
+        bar: the progress bar, advanced by the tokens each block covers.
+    """
     n_layers = len(drafter.layers)
     keys, values = _padded_context(active, n_layers)
     while active:
@@ -434,7 +444,7 @@ def _replay_group(drafter, embed, w, active: list[_Replay], bs: int, mask_id: in
             target_hidden=torch.zeros((n, 0, drafter.fc.in_features), dtype=dtype, device=device),
             noise_embedding=embed(block).to(dtype),
             position_ids=anchors.unsqueeze(1) + torch.arange(bs, device=device),
-            attention_mask=attend[:, None, None, :].expand(n, 1, bs, S + bs),
+            attention_mask=attend[:, None, None, :],  # [n, 1, 1, S+bs]: the same row for every slot
             past_key_values=_ContextKV({l: k[:, :, :S] for l, k in keys.items()},
                                        {l: v[:, :, :S] for l, v in values.items()}),
             use_cache=True,

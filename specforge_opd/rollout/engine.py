@@ -21,10 +21,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specforge_opd.progress import progress_bar
 from specforge_opd.config import RolloutConfig
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
+from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import (

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_write_bytes
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.progress import progress_bar
 from specforge_opd.stepkeys import SFTError
 
 

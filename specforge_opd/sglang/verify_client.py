@@ -19,8 +19,8 @@ from typing import Callable, Iterable, Optional
 import aiohttp
 import torch
 
-from specforge_opd.progress import progress_bar
 from specforge_opd.config import SGLangConfig
+from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import PerSequenceTarget, greedy_only_error
 from specforge_opd.sglang.contract import (

@@ -37,11 +37,11 @@ from typing import Optional
 
 import torch
 
-from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.errors import DiskFullError, is_disk_full
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
+from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.records import accepted_histogram, tau_of
 from specforge_opd.run_fingerprint import check_config_unchanged
 from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also opd.write_report for callers)

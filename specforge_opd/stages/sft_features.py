@@ -14,9 +14,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from specforge_opd.progress import progress_bar
 from specforge_opd.atomic import atomic_link, atomic_write, atomic_write_json
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.responses import ResponseRecord
 from specforge_opd.stepkeys import SFTError
 

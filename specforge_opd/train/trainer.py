@@ -49,7 +49,6 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from specforge_opd.progress import progress_bar
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import optimizer_and_scheduler
@@ -61,6 +60,7 @@ from specforge_opd.models.drafter import (
     read_drafter_metadata,
 )
 from specforge_opd.precision import announce, machine_info, resolve_trainer
+from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.train.checkpoint import (
     CheckpointError,
