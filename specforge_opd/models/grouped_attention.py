@@ -10,8 +10,10 @@ once. Every query row's softmax is its own, so this is the same attention (each 
 the same dot products and the same softmax; only float rounding may differ from the
 repeated form).
 
-Used where a batch of short query blocks attends over long padded contexts: the offline
-replay (``eval.evaluate.offline_tau``).
+Used where the DFlash drafter's short query blocks attend over long contexts: the offline
+replay (``eval.evaluate.offline_tau``) and the in-process rollout's drafter
+(``rollout.step.CachedDFlashDrafter``). The target's own decode step does the same
+grouping in ``rollout.decode._attend``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from specforge_opd.models.grouped_attention import grouped_attention
 from specforge_opd.rollout.decode import HFCache, TargetRunner, left_pad, prefill, step_mask
 from specforge_opd.rollout.records import RolloutRecord
 
@@ -829,14 +830,15 @@ class CachedDFlashDrafter:
         mask = valid.unsqueeze(1).unsqueeze(1).expand(k, 1, bs, P)
         mask = torch.cat([mask, torch.ones(k, 1, bs, bs, dtype=torch.bool, device=t.device)], dim=3)
         tmp = HFCache()
-        self.model(
-            position_ids=torch.cat([pos, blk_pos], dim=1),
-            noise_embedding=t.model.model.embed_tokens(noise_ids).to(self.dtype),
-            target_hidden=feats.to(self.dtype),
-            attention_mask=mask,
-            past_key_values=tmp.cache,
-            use_cache=True,
-        )
+        with grouped_attention(self.model):
+            self.model(
+                position_ids=torch.cat([pos, blk_pos], dim=1),
+                noise_embedding=t.model.model.embed_tokens(noise_ids).to(self.dtype),
+                target_hidden=feats.to(self.dtype),
+                attention_mask=mask,
+                past_key_values=tmp.cache,
+                use_cache=True,
+            )
         tmp.crop(P)
         self.cache.write_rows(rows, tmp, P)
 
@@ -857,14 +859,15 @@ class CachedDFlashDrafter:
         assert kv_valid.shape[1] == S_d + ctx_pos.shape[1], "drafter cache out of step with the target's slots"
         mask = kv_valid.unsqueeze(1).unsqueeze(1).expand(B, 1, bs, kv_valid.shape[1])
         mask = torch.cat([mask, torch.ones(B, 1, bs, bs, dtype=torch.bool, device=dev)], dim=3)
-        out = self.model(
-            position_ids=torch.cat([ctx_pos, blk_pos], dim=1),
-            noise_embedding=noise.to(self.dtype),
-            target_hidden=ctx_feats.to(self.dtype),
-            attention_mask=mask,
-            past_key_values=self.cache.cache,
-            use_cache=True,
-        )
+        with grouped_attention(self.model):  # the cache's keys read once per key/value head, not once per query head
+            out = self.model(
+                position_ids=torch.cat([ctx_pos, blk_pos], dim=1),
+                noise_embedding=noise.to(self.dtype),
+                target_hidden=ctx_feats.to(self.dtype),
+                attention_mask=mask,
+                past_key_values=self.cache.cache,
+                use_cache=True,
+            )
         self.cache.crop(S_d + ctx_feats.shape[1])
         logits = t.runner.logits(out[:, 1:]).float()
         return Draft(tokens=logits.argmax(-1), logits=logits)
