@@ -109,10 +109,10 @@ def opd_rows(run: Path, name: str, pool: int, seed: int) -> dict[str, dict]:
     curve = (meta.get("validation") or {}).get("curve") or []
     last = max(curve, key=lambda p: p["step"]) if curve else None
     sel = (meta.get("validation") or {}).get("selected_refresh")
-    out = {f"{name} best-val s{seed}": {"path": str(run / "final"), "kind": "opd", "select": "best_val", "pool": pool,
+    out = {f"{name} best-val p{pool} s{seed}": {"path": str(run / "final"), "kind": "opd", "select": "best_val", "pool": pool,
                                          "seed": seed, "drafter_flops": meta["flops"]["drafter_budget"], "refresh": sel}}
     if last is not None and last["step"] != sel:
-        out[f"{name} last s{seed}"] = {"path": last["export"], "kind": "opd", "select": "last", "pool": pool,
+        out[f"{name} last p{pool} s{seed}"] = {"path": last["export"], "kind": "opd", "select": "last", "pool": pool,
                                        "seed": seed, "drafter_flops": last["drafter_flops"], "refresh": last["step"]}
     return out
 
@@ -121,16 +121,16 @@ def baseline_rows(res: dict, source: str, pool: int, seed: int) -> dict[str, dic
     """The matched-FLOPs and best-validation drafters of one fair baseline."""
     by_step = {p["step"]: p for p in res["curve"]}
     name = f"SFT fair {source}"
-    out = {f"{name} matched s{seed}": {"path": str(res["matched"]), "kind": "sft", "select": "matched", "pool": pool,
+    out = {f"{name} matched p{pool} s{seed}": {"path": str(res["matched"]), "kind": "sft", "select": "matched", "pool": pool,
                                         "seed": seed, "drafter_flops": by_step[res["steps"]]["drafter_flops"],
                                         "step": res["steps"]}}
     if res["selected_step"] != res["steps"]:
-        out[f"{name} best-val s{seed}"] = {"path": str(res["best_val"]), "kind": "sft", "select": "best_val",
+        out[f"{name} best-val p{pool} s{seed}"] = {"path": str(res["best_val"]), "kind": "sft", "select": "best_val",
                                            "pool": pool, "seed": seed,
                                            "drafter_flops": by_step[res["selected_step"]]["drafter_flops"],
                                            "step": res["selected_step"]}
     else:  # the best point is the matched one
-        out[f"{name} matched s{seed}"]["best_val"] = True
+        out[f"{name} matched p{pool} s{seed}"]["best_val"] = True
     return out
 
 
@@ -315,6 +315,24 @@ def _pool_seed(row: dict) -> tuple:
     return row.get("pool"), row.get("seed")
 
 
+def _named_by_pool(table: dict) -> dict:
+    """``table`` with every row name carrying its pool (``... best-val p192 s0``), as rows are named now;
+    tables written before named rows by seed only."""
+    names = {}
+    for r in table["rows"]:
+        if r["kind"] != "start" and f" p{r['pool']} s" not in r["drafter"]:
+            head, seed = r["drafter"].rsplit(" s", 1)
+            names[r["drafter"]] = f"{head} p{r['pool']} s{seed}"
+    if not names:
+        return table
+    ren = lambda n: names.get(n, n)  # noqa: E731
+    out = dict(table)
+    out["rows"] = [dict(r, drafter=ren(r["drafter"])) for r in table["rows"]]
+    out["ratios"] = [{k: (ren(v) if k == "drafter" else dict(v, against=ren(v["against"])) if isinstance(v, dict) else v)
+                      for k, v in e.items()} for e in table["ratios"]]
+    return out
+
+
 def merge(old: dict, new: dict) -> dict:
     """``new`` with the rows and ratios of ``old`` for the (pool, seed) pairs ``new`` did not run.
 
@@ -326,6 +344,7 @@ def merge(old: dict, new: dict) -> dict:
     Raises:
         ValueError: the two tables' start rows, prompts or evaluation settings differ.
     """
+    old, new = _named_by_pool(old), _named_by_pool(new)
     start = lambda t: next(r for r in t["rows"] if r["kind"] == "start")  # noqa: E731
     for key in ("prompts", "eval"):
         if old.get(key) != new.get(key):
@@ -337,10 +356,6 @@ def merge(old: dict, new: dict) -> dict:
     ran = {_pool_seed(r) for r in new["rows"] if r["kind"] != "start"}
     kept = [r for r in old["rows"] if r["kind"] != "start" and _pool_seed(r) not in ran]
     names = {r["drafter"] for r in kept}
-    clash = names & {r["drafter"] for r in new["rows"]}
-    if clash:  # row names carry the seed, not the pool
-        raise ValueError(f"--json: rows {sorted(clash)} are in the committed table under another pool; "
-                         "write this pool's run to another --json file")
     out = dict(new)
     out["rows"] = new["rows"] + kept
     out["ratios"] = new["ratios"] + [e for e in old["ratios"] if e["drafter"] in names]
@@ -357,7 +372,7 @@ def across_seeds(table: dict) -> list[dict]:
     rows = {r["drafter"]: r for r in table["rows"]}
     for e in table["ratios"]:
         r = rows[e["drafter"]]
-        name = e["drafter"].rsplit(" s", 1)[0]
+        name = e["drafter"].rsplit(" s", 1)[0].removesuffix(f" p{r['pool']}")
         g = groups.setdefault((name, r["pool"]), {"drafter": name, "pool": r["pool"], "seeds": [],
                                                   "over_start": [], "over_best_baseline": []})
         g["seeds"].append(r["seed"])

@@ -372,9 +372,10 @@ def test_opd_at_scale_merges_seeds_and_reports_the_lowest_ratio():
     own, and the across-seed table names each seed's ratio and the lowest; other trajectories are refused."""
     bench = _bench_opd_at_scale()
     s0, s1 = _scale_table(0, 1.32, 1.30), _scale_table(1, 1.26, 1.25)
-    merged = bench.merge(s0, s1)
-    assert [r["drafter"] for r in merged["rows"]] == ["start", "OPD naive best-val s1", "SFT fair fresh matched s1",
-                                                       "OPD naive best-val s0", "SFT fair fresh matched s0"]
+    merged = bench.merge(s0, s1)  # tables named rows by seed only before: the pool joins the names
+    assert [r["drafter"] for r in merged["rows"]] == ["start", "OPD naive best-val p192 s1", "SFT fair fresh matched p192 s1",
+                                                       "OPD naive best-val p192 s0", "SFT fair fresh matched p192 s0"]
+    assert merged["ratios"][1]["over_best_baseline"]["against"] == "SFT fair fresh matched p192 s0"
     assert merged["merged_from"] == ["p192 s0"]
     again = bench.merge(merged, _scale_table(1, 1.27, 1.25))  # seed 1 rerun: replaced, not duplicated
     assert sum(r["seed"] == 1 for r in again["rows"]) == 2
@@ -385,8 +386,10 @@ def test_opd_at_scale_merges_seeds_and_reports_the_lowest_ratio():
     assert "(**1.008**)" in bench.render(merged)
     with pytest.raises(ValueError, match="start drafter's mean tau differs"):
         bench.merge(s0, _scale_table(1, 1.3, 1.2, start=1.1))
-    other_pool = _scale_table(0, 1.3, 1.2)
+    other_pool = _scale_table(0, 1.3, 1.2)  # same seed, another pool: kept beside, not replaced
     for r in other_pool["rows"][1:]:
         r["pool"] = 384
-    with pytest.raises(ValueError, match="under another pool"):
-        bench.merge(s0, other_pool)
+    both = bench.merge(merged, other_pool)
+    assert {r["drafter"] for r in both["rows"]} >= {"OPD naive best-val p384 s0", "OPD naive best-val p192 s0"}
+    assert [g["pool"] for g in bench.across_seeds(both)] == [192, 384]
+    assert bench.across_seeds(both)[0]["drafter"] == "OPD naive best-val"
