@@ -287,7 +287,7 @@ class _Replay:
         self.E = len(self.ids)
         self.a = traj.prompt_len
         self.keys: dict[int, Optional[torch.Tensor]] = {}  # layer -> [nkv, E-1, hd], RoPE applied; None once padded
-        self.values: dict[int, torch.Tensor] = {}
+        self.values: dict[int, Optional[torch.Tensor]] = {}
         self.anchors: list[int] = []
         self.drafts: list[torch.Tensor] = []
         self.accepted: list[int] = []

@@ -330,7 +330,9 @@ class SpeculativeEngine:
             compact_min_slots=self.compact_min_slots, compact_below=self.compact_below,
         )
         drafter = self.make_drafter(target)
-        progress = _progress(total=B * rc.max_new_tokens, disable=B * rc.max_new_tokens < 512)
+        # an inner bar: hidden in a log, where the caller's bar over sequences reports
+        progress = progress_bar(B * rc.max_new_tokens, "rollout tokens", "tok", disable=B * rc.max_new_tokens < 512,
+                                log=False, leave=False)
         out: list = [None] * B
 
         def emit(i: int, rec: RolloutRecord) -> None:
@@ -403,10 +405,6 @@ def generate_to_shards(engine: "SpeculativeEngine", prompts: list, writer, *, pe
     engine.generate([p for _, p in prompts], [s for s, _ in prompts], drafter_step=drafter_step,
                     batch_size=batch_size, on_record=shards.add)
     shards.close()
-
-
-def _progress(total: int, disable: bool):
-    return progress_bar(total, "rollout tokens", "tok", disable=disable, log=False, leave=False)
 
 
 # ---------------------------------------------------------------------------
