@@ -28,6 +28,13 @@ Writes ``benchmarks/results/drafter_scaling.json`` and ``sft_scaling.png``. Its 
 the shipped drafter's (``published_*``), the drafter it succeeded (``previous_*``) and prompt
 lookup's mean tau. ``--phase shipped`` measures only those three, on the same cache, and
 updates them in an existing result (the curve points' runs need not be on disk).
+
+A point with its own recipe (another data mix, say) is a run of its own config, trained with
+``scripts/train_sft.sh CONFIG``; ``--phase run --run NAME=CONFIG`` replays its export at the
+config's budget (and the whole run as ``NAME-long`` if it went past it) beside the shipped rows,
+and merges it into the existing result, replacing a point of the same name:
+
+    .venv/bin/python benchmarks/bench_drafter_scaling.py --phase run --run mix-l3=configs/small/sft_mix_l3.yaml
 """
 
 from __future__ import annotations
@@ -115,7 +122,9 @@ def point_overrides(name: str, sup: list[int], base_tokens: int) -> tuple[list[s
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/small/sft_scaling.yaml")
-    p.add_argument("--phase", choices=["train", "eval", "shipped"], default=None)
+    p.add_argument("--phase", choices=["train", "eval", "shipped", "run"], default=None)
+    p.add_argument("--run", action="append", default=[], metavar="NAME=CONFIG",
+                   help="with --phase run: a point trained by its own config (its output.dir), merged into --json")
     p.add_argument("--points", nargs="+", default=list(POINTS), choices=POINTS)
     p.add_argument("--long", choices=POINTS, default=None, help="continue this point past the budget to its plateau")
     p.add_argument("--steps", type=int, default=None,
@@ -137,6 +146,22 @@ def main() -> int:
         from specforge_opd.precision import machine_info
 
         table["shipped_command"], table["shipped_machine"] = sys.argv, machine_info()
+        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+        plot(table, Path(args.json).with_name("sft_scaling.png"))
+        print(render(table))
+        return 0
+
+    if args.phase == "run":
+        table = json.loads(Path(args.json).read_text())
+        points = [own_run_point(spec, args) for spec in args.run]
+        if not points:
+            sys.exit("--phase run: name at least one --run NAME=CONFIG")
+        rows = [r for pt in points for r in pt]
+        table.update(shipped_rows(args, ROOT / args.out, rows, label_="eval_runs"))
+        table = merge_points(table, rows)
+        from specforge_opd.precision import machine_info
+
+        table.setdefault("runs_commands", []).append({"command": sys.argv, "machine": machine_info()})
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
         plot(table, Path(args.json).with_name("sft_scaling.png"))
         print(render(table))
@@ -209,9 +234,7 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
     from specforge_opd.precision import machine_info
 
     base = Path(cfg.resolve_path(cfg.output.dir))
-    bench = json.loads((ROOT / "benchmarks/results/bench_sft.json").read_text())
-    speed = {r["layers"]: r["positions_per_s"] for r in bench["rows"]
-             if r.get("objective") == "stored" and r["dtype"] == "bf16" and r["num_anchors"] == cfg.training.num_anchors}
+    speed = bench_speed(cfg.training.num_anchors)
     budget = args.steps or cfg.sft.pause_at_step
     if budget is None:
         sys.exit(f"{args.config}: no sft.pause_at_step, so no budget per point; pass --steps N")
@@ -232,7 +255,58 @@ def evaluate(args, cfg, out: Path, sup: list[int]) -> dict:
             **top, "best_point": best and best["name"], "points": points}
 
 
-def shipped_rows(args, out: Path, points: list[dict]) -> dict:
+def own_run_point(spec: str, args) -> list[dict]:
+    """The rows of a point trained by its own config (``NAME=CONFIG``): budget row and, past it, ``NAME-long``.
+
+    The budget is ``--steps`` or the config's ``sft.pause_at_step``. The row records what the
+    run trained on: ``layers``, ``train_samples``, ``response_tokens`` (supervised, as the
+    curve points count them), ``data_multiple`` against ``--base-tokens``, the config and its
+    ``data.train_sources`` / ``data.source_limits``.
+
+    Raises:
+        SystemExit: ``spec`` is not ``NAME=CONFIG``, the run has no export, or no budget.
+    """
+    from specforge_opd.config import load_config
+    from specforge_opd.models.drafter import read_drafter_metadata
+
+    name, sep, config = spec.partition("=")
+    if not sep or not name or not config:
+        sys.exit(f"--run {spec!r}: expected NAME=CONFIG, e.g. mix-l3=configs/small/sft_mix_l3.yaml")
+    cfg = load_config(ROOT / config)
+    final = Path(cfg.resolve_path(cfg.output.dir)) / "final"
+    if not final.is_dir():
+        sys.exit(f"--run {name}: {final} has no export; run scripts/train_sft.sh {config} first")
+    budget = args.steps or cfg.sft.pause_at_step
+    if budget is None:
+        sys.exit(f"--run {name}: {config} has no sft.pause_at_step, so no budget; pass --steps N")
+    _, sup = shared_run(cfg, config)
+    speed = bench_speed(cfg.training.num_anchors)
+    per_step = cfg.training.num_anchors * cfg.draft.block_size
+    what = {"layers": cfg.draft.num_hidden_layers, "train_samples": len(sup), "response_tokens": sum(sup),
+            "data_multiple": sum(sup) / args.base_tokens, "config": config,
+            "train_sources": list(cfg.data.train_sources), "source_limits": dict(cfg.data.source_limits or {})}
+    return [{**row, **what, "trained_positions_nominal": row["steps"] * per_step,
+             "positions_per_s_bf16_stored": speed.get(what["layers"])}
+            for row in budget_and_long(name, read_drafter_metadata(final)["validation"], budget, final)]
+
+
+def merge_points(table: dict, rows: list[dict]) -> dict:
+    """``table`` with ``rows`` in its ``points``: a point of the same name is replaced in place, a new
+    one appended; ``best_point`` is recomputed over every point's held-out mean tau."""
+    new = {r["name"]: r for r in rows}
+    points = [new.pop(p["name"], p) for p in table.get("points", [])] + list(new.values())
+    best = max(points, key=lambda q: q["eval"]["mean_tau"]) if points else None
+    return {**table, "points": points, "best_point": best and best["name"]}
+
+
+def bench_speed(num_anchors: int) -> dict:
+    """Positions/s per drafter depth from ``bench_sft.json`` (bf16, stored objective, ``num_anchors``)."""
+    bench = json.loads((ROOT / "benchmarks/results/bench_sft.json").read_text())
+    return {r["layers"]: r["positions_per_s"] for r in bench["rows"]
+            if r.get("objective") == "stored" and r["dtype"] == "bf16" and r["num_anchors"] == num_anchors}
+
+
+def shipped_rows(args, out: Path, points: list[dict], label_: str = "eval") -> dict:
     """Replay the shipped and the previous published drafter, prompt lookup and ``points`` (each gets its ``eval``).
 
     Every prompt of the eval config's sets, on one trajectory cache (``--cache-dir``), so every row
@@ -246,10 +320,11 @@ def shipped_rows(args, out: Path, points: list[dict]) -> dict:
     drafters = ["--drafter", f"published={PUBLISHED}", "--drafter", f"previous={PREVIOUS}"]
     for pt in points:
         drafters += ["--drafter", f"{pt['name']}={pt['path']}"]
-    ev = out / ("eval" if points else "eval_shipped")
+    label_ = label_ if points else "eval_shipped"
+    ev = out / label_
     sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.eval_config, "--out", str(ev), "eval.speedup=false",
         "eval.num_prompts=null", "eval.batch_size=16", f"eval.cache_dir={ROOT / args.cache_dir}", *drafters],
-       out / "logs" / ("eval.log" if points else "eval_shipped.log"))
+       out / "logs" / f"{label_}.log")
     result = json.loads((ev / "eval.json").read_text())
     ngram = next(n for n in result["drafters"] if n.startswith("prompt lookup"))
     names = ["published", "previous", *(pt["name"] for pt in points), ngram]
@@ -291,7 +366,7 @@ def plot(table: dict, path: Path) -> None:
     b.plot([q["data_multiple"] for q in data], [q["eval"]["mean_tau"] for q in data], marker="o", label="1 layer")
     for q in budget:
         if q["layers"] > 1:
-            b.scatter([q["data_multiple"]], [q["eval"]["mean_tau"]], marker="s", label=f"{q['layers']} layers")
+            b.scatter([q["data_multiple"]], [q["eval"]["mean_tau"]], marker="s", label=f"{q['name']} ({q['layers']} layers)")
     for q in long:
         b.scatter([q["data_multiple"]], [q["eval"]["mean_tau"]], marker="*", s=120,
                   label=f"{q['name']} ({q['steps'] * 1024 / 1e6:.0f}M positions)")
@@ -329,6 +404,12 @@ def render(table: dict) -> str:
         lines.append(f"| {pt['name']} | {pt['layers']} | {pt['response_tokens'] / 1e3:.0f}K ({pt['data_multiple']:.1f}x) | "
                      f"{pt['steps']} ({pt['selected_step']}) | {pt['best_val_tau']:.3f} | "
                      + " | ".join(f"{pt['eval']['tau'][s]:.3f}" for s in sets) + f" | {ci(pt['eval'])} |")
+    own = [pt for pt in table["points"] if pt.get("config")]
+    if own:
+        lines += ["", "Points with their own recipe (their validation prompts are their own mix's, so their val tau "
+                  "compares only within the run; the three evaluation sets compare every row): "
+                  + "; ".join(f"{pt['name']}: `{pt['config']}`, sources {', '.join(pt['train_sources'])}" for pt in own
+                              if not pt["name"].endswith("-long")) + "."]
     return "\n".join(lines)
 
 

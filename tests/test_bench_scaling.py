@@ -55,3 +55,20 @@ def test_table_names_the_shipped_and_the_previous_drafter():
 
     shipped = [n.split(":", 1)[-1] for n in (bench.PUBLISHED, bench.PREVIOUS)]
     assert set(shipped) <= set(available())
+
+
+def test_a_run_of_its_own_config_merges_into_the_table_by_name():
+    """--phase run replaces a point of the same name in place, appends a new one and re-picks the best."""
+    bench = _bench()
+    row = lambda n, t, **kw: {"name": n, "eval": {"tau": {"mtbench": t}, "mean_tau": t, "ci95": [t, t]}, **kw}  # noqa: E731
+    table = {"points": [row("data1x", 1.10), row("mix-l3", 1.12), row("depth3", 1.15)], "best_point": "depth3"}
+    merged = bench.merge_points(table, [row("mix-l3", 1.20, config="c.yaml"), row("mix-l3-long", 1.30, config="c.yaml")])
+    assert [p["name"] for p in merged["points"]] == ["data1x", "mix-l3", "depth3", "mix-l3-long"]
+    assert merged["points"][1]["eval"]["mean_tau"] == 1.20 and merged["best_point"] == "mix-l3-long"
+    assert table["points"][1]["eval"]["mean_tau"] == 1.12  # the input is not modified
+
+
+def test_a_run_spec_without_a_config_is_refused():
+    bench = _bench()
+    with pytest.raises(SystemExit, match="expected NAME=CONFIG"):
+        bench.own_run_point("mix-l3", None)
