@@ -185,8 +185,14 @@ def main() -> int:
     p.add_argument("--replicates", type=int, default=2000)
     p.add_argument("--json", help="write the table's data here (e.g. benchmarks/results/opd_at_scale.json); the rows of other "
                    "(pool, seed) pairs already in that file are kept (merge)")
+    p.add_argument("--import-eval", nargs="+", default=[], metavar="EVAL_JSON",
+                   help="store the replays of eval.json files written before the replay store (then exit)")
     args = p.parse_args()
     out = ROOT / args.out
+    if args.import_eval:
+        for f in args.import_eval:
+            import_eval(args, out, Path(f))
+        return 0
     if args.phase == "curves":
         table = collect_curves(args)
         print(json.dumps(table["runs"], indent=1))
@@ -213,18 +219,7 @@ def main() -> int:
         for seed in args.seeds:
             replay_sets(args, drafters, pool, seed)
     drafters["start"]["note"] = "val_tau/pool_tau of the last (pool, seed) replayed"
-    # every prompt of the three sets, one trajectory cache for every drafter
-    eval_args = []
-    for name, d in drafters.items():
-        eval_args += ["--drafter", f"{name}={d['path']}"]
-    prompts_ov = f"eval.num_prompts={'null' if args.eval_prompts is None else args.eval_prompts}"
-    ev = out / "eval"
-    # eval.batch_size: the trajectory cache decodes in a continuous batch of that many rows (offline replay is exact
-    # whatever the batch)
-    sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(ev), "eval.speedup=false", prompts_ov,
-        "eval.batch_size=16",
-        f"eval.cache_dir={out / 'trajectory_cache'}", *eval_args], out / "logs" / "eval.log")
-    result = json.loads((ev / "eval.json").read_text())
+    result = evaluate_all(args, drafters, out)
     table = summarize(result, drafters, args)
     if args.json and Path(args.json).is_file():
         table = merge(json.loads(Path(args.json).read_text()), table)
@@ -233,6 +228,125 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
     return 0
+
+
+#: Eval settings that decide a drafter's replay; a stored replay is reused only under equal ones (and equal target).
+REPLAY_SETTINGS = ("datasets", "num_prompts", "max_new_tokens", "temperature", "seeds", "mode", "ngram", "ngram_max",
+                   "cache_dir")
+STORE = "eval_store"
+PROMPT_LOOKUP = "prompt-lookup"
+
+
+def weights_digest(path: str | Path) -> str:
+    """sha256 over a drafter directory's weights and config (``*.safetensors``, ``config.json``), file names included."""
+    import hashlib
+
+    h = hashlib.sha256()
+    d = Path(path)
+    for f in sorted([*d.glob("*.safetensors"), d / "config.json"]):
+        if f.is_file():
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def replay_key(settings: dict, digest: str) -> str:
+    """The store key of one replay: ``settings`` (``replay_settings``) and the drafter's weights digest."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps({**settings, "weights": digest}, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def replay_settings(cfg) -> dict:
+    """What decides a replay's result besides the drafter: the target section and the eval settings."""
+    # threads, prefill chunking and the weight cache's place change no token of a T=0 replay
+    target = {k: v for k, v in cfg.target.model_dump(mode="json").items() if k not in ("threads", "prefill_chunk", "cache_dir")}
+    return {"target": target,
+            "eval": {k: v for k, v in cfg.eval.model_dump(mode="json").items() if k in REPLAY_SETTINGS}}
+
+
+def import_eval(args, out: Path, path: Path) -> int:
+    """Put the drafters of an ``eval.json`` written before the store into it (``--import-eval``).
+
+    An entry is taken only where the file's eval settings and target equal this run's and the
+    drafter's weights are not newer than the file (so they are the weights it replayed).
+    Returns how many entries were stored.
+    """
+    from specforge_opd.config import load_config
+
+    prompts_ov = f"eval.num_prompts={'null' if args.eval_prompts is None else args.eval_prompts}"
+    cfg = load_config(ROOT / args.opd_config, [prompts_ov, f"eval.cache_dir={out / 'trajectory_cache'}"])
+    settings = replay_settings(cfg)
+    old = json.loads(path.read_text())
+    theirs = {k: v for k, v in old["eval"].items() if k in REPLAY_SETTINGS}
+    if theirs != settings["eval"] or old["target"].get("thinking") != cfg.target.thinking:
+        print(f"[opd_at_scale] {path}: other eval settings ({theirs}), nothing imported", flush=True)
+        return 0
+    store, n = out / STORE, 0
+    store.mkdir(parents=True, exist_ok=True)
+    for name, entry in old["drafters"].items():
+        if entry.get("path") is None:
+            key = replay_key(settings, PROMPT_LOOKUP)
+        else:
+            d = ROOT / entry["path"]
+            weights = [*d.glob("*.safetensors")]
+            if not weights or max(f.stat().st_mtime for f in weights) > path.stat().st_mtime:
+                continue
+            key = replay_key(settings, weights_digest(d))
+        rec = {"name": name, "entry": entry, "target": old["target"], "eval": old["eval"], "method": old.get("method")}
+        (store / f"{key}.json").write_text(json.dumps(rec) + "\n")
+        n += 1
+    print(f"[opd_at_scale] {path}: {n} replays imported into {store}", flush=True)
+    return n
+
+
+def evaluate_all(args, drafters: dict[str, dict], out: Path) -> dict:
+    """Exact offline replay of every drafter (and prompt lookup) on every prompt of the three sets.
+
+    Each drafter's replay is kept in ``out/eval_store``, one JSON per ``replay_key`` (its weights'
+    digest, the target and the eval settings), and read back when the same weights are replayed
+    under the same settings: replay at T=0 is deterministic, so an eval phase pays only for
+    drafters it has not replayed before (about 2 minutes each with a filled trajectory cache).
+
+    Returns:
+        An ``eval.json``-shaped dict (``target``, ``eval``, ``method``, ``drafters``) holding every
+        drafter of ``drafters`` under its row name, plus prompt lookup.
+    """
+    from specforge_opd.config import load_config
+
+    prompts_ov = f"eval.num_prompts={'null' if args.eval_prompts is None else args.eval_prompts}"
+    cache_ov = f"eval.cache_dir={out / 'trajectory_cache'}"
+    settings = replay_settings(load_config(ROOT / args.opd_config, [prompts_ov, cache_ov]))
+    store = out / STORE
+    keys = {name: replay_key(settings, weights_digest(d["path"])) for name, d in drafters.items()}
+    keys[PROMPT_LOOKUP] = replay_key(settings, PROMPT_LOOKUP)
+    found = {n: json.loads((store / f"{k}.json").read_text()) for n, k in keys.items() if (store / f"{k}.json").is_file()}
+    missing = [n for n in drafters if n not in found]
+    if missing or PROMPT_LOOKUP not in found:
+        eval_args = []
+        for name in missing or list(drafters)[:1]:
+            eval_args += ["--drafter", f"{name}={drafters[name]['path']}"]
+        ev = out / "eval"
+        # eval.batch_size: the trajectory cache decodes in a continuous batch of that many rows (offline replay is
+        # exact whatever the batch)
+        sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(ev), "eval.speedup=false",
+            prompts_ov, "eval.batch_size=16", cache_ov, *eval_args], out / "logs" / "eval.log")
+        fresh = json.loads((ev / "eval.json").read_text())
+        store.mkdir(parents=True, exist_ok=True)
+        for name, entry in fresh["drafters"].items():
+            own = PROMPT_LOOKUP if entry.get("path") is None else name
+            found[own] = {"name": name, "entry": entry, "target": fresh["target"], "eval": fresh["eval"],
+                          "method": fresh.get("method")}
+            tmp = store / f".{keys[own]}.tmp"
+            tmp.write_text(json.dumps(found[own]) + "\n")
+            tmp.replace(store / f"{keys[own]}.json")
+    print(f"[opd_at_scale] replayed {len(missing)} drafter(s); {len(drafters) - len(missing)} read back from {store}",
+          flush=True)
+    head = found[PROMPT_LOOKUP]
+    return {"target": head["target"], "eval": head["eval"], "method": head["method"],
+            "drafters": {**{n: found[n]["entry"] for n in drafters}, head["name"]: head["entry"]}}
 
 
 def collect_curves(args) -> dict:

@@ -393,3 +393,44 @@ def test_opd_at_scale_merges_seeds_and_reports_the_lowest_ratio():
     assert {r["drafter"] for r in both["rows"]} >= {"OPD naive best-val p384 s0", "OPD naive best-val p192 s0"}
     assert [g["pool"] for g in bench.across_seeds(both)] == [192, 384]
     assert bench.across_seeds(both)[0]["drafter"] == "OPD naive best-val"
+
+
+def test_opd_at_scale_replays_each_drafter_once(tmp_path, monkeypatch):
+    """The eval phase reads a drafter's stored replay back when its weights and the eval settings are unchanged,
+    and replays it again when either changes."""
+    import json
+    import types
+
+    bench = _bench_opd_at_scale()
+    drafters = {}
+    for name in ("start", "OPD naive best-val p192 s0"):
+        d = tmp_path / name.replace(" ", "_")
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(name.encode())
+        (d / "config.json").write_text("{}")
+        drafters[name] = {"path": str(d)}
+    calls = []
+
+    def fake_sh(argv, log):
+        names = [a.split("=", 1)[0] for a in argv[argv.index("--drafter"):] if a != "--drafter"]
+        calls.append(names)
+        out = tmp_path / "out" / "eval"
+        out.mkdir(parents=True, exist_ok=True)
+        entries = {n: {"path": drafters[n]["path"], "datasets": {"mtbench": {"tau": float(len(calls))}}} for n in names}
+        entries["prompt lookup (ngram)"] = {"path": None, "datasets": {"mtbench": {"tau": 1.6}}}
+        (out / "eval.json").write_text(json.dumps({"target": {"identity": "t"}, "eval": {"max_new_tokens": 96},
+                                                   "method": "offline_replay", "drafters": entries}))
+
+    monkeypatch.setattr(bench, "sh", fake_sh)
+    args = types.SimpleNamespace(eval_prompts=None, opd_config="configs/small/opd.yaml")
+    first = bench.evaluate_all(args, drafters, tmp_path / "out")
+    assert calls == [list(drafters)]
+    again = bench.evaluate_all(args, drafters, tmp_path / "out")
+    assert len(calls) == 1 and again == first  # nothing replayed, the same result
+    (tmp_path / "start" / "model.safetensors").write_bytes(b"other weights")
+    third = bench.evaluate_all(args, drafters, tmp_path / "out")
+    assert calls[-1] == ["start"] and third["drafters"]["start"]["datasets"]["mtbench"]["tau"] == 2.0
+    assert third["drafters"]["OPD naive best-val p192 s0"] == first["drafters"]["OPD naive best-val p192 s0"]
+    args.eval_prompts = 8  # other settings: every drafter is replayed again
+    bench.evaluate_all(args, drafters, tmp_path / "out")
+    assert sorted(calls[-1]) == sorted(drafters)
