@@ -134,6 +134,17 @@ def baseline_rows(res: dict, source: str, pool: int, seed: int) -> dict[str, dic
     return out
 
 
+def stored_tau(path: Path, name: str, replay) -> float:
+    """The tau stored at ``path``, or ``replay()``'s, then stored there (atomically) for the next eval phase."""
+    if path.is_file():
+        return float(json.loads(path.read_text())["tau"])
+    tau = float(replay())
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"name": name, "tau": tau}) + "\n")
+    tmp.replace(path)
+    return tau
+
+
 def replay_sets(args, drafters: dict[str, dict], pool: int, seed: int) -> None:
     """Add ``val_tau`` (OPD validation prompts) and ``pool_tau`` (first --in-sample OPD pool prompts) to each row."""
     import torch
@@ -158,13 +169,26 @@ def replay_sets(args, drafters: dict[str, dict], pool: int, seed: int) -> None:
                                      stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache),
             "pool_tau": ValidationSet(bundle.model, bundle.identity, ids(train), max_new_tokens=cfg.rollout.max_new_tokens,
                                       stop_token_ids=list(bundle.stop_token_ids), cache_dir=cache)}
+    # a set's replay of the same weights is read back from the store (T=0 replay is deterministic)
+    store = Path(args.out) / STORE
+    store.mkdir(parents=True, exist_ok=True)
+    set_settings = {k: {"prompts": p, "max_new_tokens": cfg.rollout.max_new_tokens, "target": replay_settings(cfg)["target"]}
+                    for k, p in (("val_tau", ids(val)), ("pool_tau", ids(train)))}
     for name, d in drafters.items():
         if d.get("seed", seed) != seed or d.get("pool", pool) != pool or "val_tau" in d:
             continue
-        drafter = load_any_drafter(d["path"], bundle.model.config).eval()
-        with torch.no_grad():
-            for k, vs in sets.items():
-                d[k] = vs.tau(drafter)
+        digest = weights_digest(d["path"])
+        files = {k: store / f"set-{replay_key(set_settings[k], digest)}.json" for k in sets}
+        loaded = []
+
+        def drafter():
+            if not loaded:
+                loaded.append(load_any_drafter(d["path"], bundle.model.config).eval())
+            return loaded[0]
+
+        for k, vs in sets.items():
+            with torch.no_grad():
+                d[k] = stored_tau(files[k], name, lambda vs=vs: vs.tau(drafter()))
         print(f"  {name}: validation tau {d['val_tau']:.3f}, OPD-pool tau {d['pool_tau']:.3f}", flush=True)
 
 

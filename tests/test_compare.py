@@ -434,3 +434,14 @@ def test_opd_at_scale_replays_each_drafter_once(tmp_path, monkeypatch):
     args.eval_prompts = 8  # other settings: every drafter is replayed again
     bench.evaluate_all(args, drafters, tmp_path / "out")
     assert sorted(calls[-1]) == sorted(drafters)
+
+
+def test_opd_at_scale_stores_set_replays(tmp_path):
+    """Validation and pool tau of a drafter already replayed are read back, not replayed."""
+    bench = _bench_opd_at_scale()
+    calls = []
+    replay = lambda: calls.append(1) or 1.375  # noqa: E731
+    assert bench.stored_tau(tmp_path / "set-k.json", "d", replay) == 1.375
+    assert bench.stored_tau(tmp_path / "set-k.json", "d", replay) == 1.375
+    assert len(calls) == 1
+    assert bench.stored_tau(tmp_path / "set-other.json", "d", replay) == 1.375 and len(calls) == 2
