@@ -16,6 +16,8 @@ name                    package (pip)                     records
 ``python_functions``    ``sympy`` (its source tree)       5303 code-completion prompts in HumanEval's form:
                                                           the ``def`` line(s) and docstring of each public,
                                                           documented function and method (read with ``ast``)
+``math_problems``       ``sympy`` (its LaTeX printer)     4000 synthetic MATH-style problems drawn from
+                                                          templates with a fixed seed (``data.math_problems``)
 ======================  ================================  ====================================================
 
 Hub-only sources (``gsm8k``, ``math``, ``aops``, ``codealpaca``, ``mbpp``,
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from specforge_opd.atomic import atomic_write_text
+from specforge_opd.data import math_problems
 from specforge_opd.data.locations import AssetError, cache_dir, package_dir, package_file
 from specforge_opd.errors import UserError
 
@@ -630,7 +633,8 @@ def load_hub_source(name: str, local_files: Optional[dict[str, str]] = None) -> 
 # public loaders
 
 _MMATH_NAMES = tuple(MMATH_SPLITS.values())
-KNOWN_SOURCES = OFFLINE_SOURCES + _MMATH_NAMES + tuple(HUB_SOURCES)
+KNOWN_SOURCES = OFFLINE_SOURCES + _MMATH_NAMES + (math_problems.SOURCE,) + tuple(HUB_SOURCES)
+
 #: Evaluation sets ``eval_prompts`` knows.
 KNOWN_EVAL_SETS = ("mtbench", "humaneval") + _MMATH_NAMES + ("gsm8k", "math500", "aime25", "mbpp", "swebench_lite")
 
@@ -660,6 +664,16 @@ def load_source(
         except AssetError as e:
             raise PromptsError(str(e)) from None
         return _cached(name, src, parse, cache, stamp)
+    if name == math_problems.SOURCE:
+        import sympy
+
+        src = Path(math_problems.__file__)
+        # keyed by the generator's own text and sympy's version: either changes the records
+        stamp = f"{hashlib.sha1(src.read_bytes()).hexdigest()}|{sympy.__version__}"
+        return _cached(name, src, lambda _src: [
+            PromptRecord(id=rid, source=name, prompt=prompt, answer=answer,
+                         meta={"template": template, "seed": math_problems.DEFAULT_SEED})
+            for rid, template, prompt, answer in math_problems.draw()], cache, stamp)
     if name in _MMATH_NAMES:
         return [r for r in load_source("mmath", cache=cache) if r.source == name]
     if name in HUB_SOURCES:
