@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -251,6 +252,9 @@ def main() -> int:
     print(render(table))
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+        png = plot_scale_curve(table, Path(args.json).with_name(Path(args.json).stem + "_scale_curve.png"))
+        if png:
+            print(f"[opd_at_scale] scale curve: {png}", flush=True)
     return 0
 
 
@@ -526,6 +530,73 @@ def across_seeds(table: dict) -> list[dict]:
     return sorted(groups.values(), key=lambda g: (g["pool"], g["drafter"]))
 
 
+def scale_curve(table: dict) -> list[dict]:
+    """OPD's gain over its start against pool size, per OPD drafter measured at two pools or more.
+
+    Each point is one pool: ``ratio`` the mean over its seeds of (OPD mean tau / start mean tau),
+    ``lowest`` the lowest seed. The gain (ratio - 1) is fitted by least squares as linear in
+    log10(pool), and ``predicted_10x`` is that line at ten times the largest pool: an extrapolation
+    of two or three points, to say which way the curve points, not a measurement.
+
+    Returns:
+        [{"drafter", "points": [{"pool", "seeds", "ratio", "lowest"}] by pool, "slope_per_decade",
+        "predicted_10x": {"pool", "ratio"}}], sorted by drafter name; empty when no drafter has two pools.
+    """
+    by: dict[str, list] = {}
+    for g in across_seeds(table):
+        got = [x for x in g["over_start"] if x is not None]
+        if got:
+            by.setdefault(g["drafter"], []).append({"pool": g["pool"], "seeds": g["seeds"], "ratio": sum(got) / len(got),
+                                                     "lowest": min(got)})
+    out = []
+    for name in sorted(by):
+        pts = sorted(by[name], key=lambda q: q["pool"])
+        if len(pts) < 2:
+            continue
+        xs = [math.log10(q["pool"]) for q in pts]
+        ys = [q["ratio"] - 1.0 for q in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        far = pts[-1]["pool"] * 10
+        out.append({"drafter": name, "points": pts, "slope_per_decade": slope,
+                    "predicted_10x": {"pool": far, "ratio": 1.0 + my + slope * (math.log10(far) - mx)}})
+    return out
+
+
+def plot_scale_curve(table: dict, path: Path) -> Path | None:
+    """``scale_curve`` as a PNG (OPD over its start against pool size, log x; dashed: the fit out to 10x).
+
+    Returns the written path, or None (nothing written) when no drafter was measured at two pools.
+    """
+    curves = scale_curve(table)
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    for c in curves:
+        pools = [q["pool"] for q in c["points"]]
+        line, = ax.plot(pools, [q["ratio"] for q in c["points"]], marker="o", label=c["drafter"])
+        ax.scatter(pools, [q["lowest"] for q in c["points"]], marker="v", color=line.get_color(), s=14)
+        far = c["predicted_10x"]
+        ax.plot([pools[-1], far["pool"]], [c["points"][-1]["ratio"], far["ratio"]], ls="--", color=line.get_color())
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.05, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("OPD prompt pool (prompts)")
+    ax.set_ylabel("held-out mean tau / start")
+    ax.set_title("OPD gain against pool size (o: mean of seeds, v: lowest)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def render(table: dict) -> str:
     """The README's table from ``opd_at_scale.json``: ``python benchmarks/bench_opd_at_scale.py --render FILE``."""
     ds = table["datasets"]
@@ -536,14 +607,17 @@ def render(table: dict) -> str:
              "| drafter | " + " | ".join(ds) + " | mean tau [95% CI] | val | pool | drafter FLOPs |",
              "|---|" + "---:|" * (len(ds) + 4)]
     f = lambda x, fmt="{:.3f}": "-" if x is None else fmt.format(x)  # noqa: E731
-    for r in table["rows"]:
+    # by pool, then seed (a merge puts the rows it ran first); the start first, run order kept within a (pool, seed)
+    place = lambda r: (r["kind"] != "start", r.get("pool") or 0, r.get("seed") or 0)  # noqa: E731
+    for r in sorted(table["rows"], key=place):
         lines.append(f"| {r['drafter']} | " + " | ".join(f"{r['tau'][d]:.3f}" for d in ds)
                      + f" | **{r['mean_tau']:.3f}** [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | {f(r['val_tau'])} | "
                      f"{f(r['pool_tau'])} | {f(r['drafter_flops'], '{:.2e}')} |")
     if table["ratios"]:
         lines += ["", "| OPD drafter | over the start [95% CI] | over the best fair baseline [95% CI] |", "|---|---:|---:|"]
         cell = lambda e: "-" if e is None else f"{e['ratio']:.3f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]"  # noqa: E731
-        for e in table["ratios"]:
+        rank = {r["drafter"]: place(r) for r in table["rows"]}
+        for e in sorted(table["ratios"], key=lambda e: rank[e["drafter"]]):
             lines.append(f"| {e['drafter']} | {cell(e.get('over_start'))} | {cell(e.get('over_best_baseline'))}"
                          + (f" ({e['over_best_baseline']['against']})" if e.get("over_best_baseline") else "") + " |")
     groups = [g for g in across_seeds(table) if len(g["seeds"]) > 1]
@@ -555,11 +629,28 @@ def render(table: dict) -> str:
         for g in groups:
             lines.append(f"| {g['drafter']} | {g['pool']} | {', '.join(map(str, g['seeds']))} | "
                          f"{per(g, 'over_start')} | {per(g, 'over_best_baseline')} |")
+    curves = scale_curve(table)
+    if curves:
+        pools = sorted({q["pool"] for c in curves for q in c["points"]})
+        lines += ["", "OPD over its start against pool size (mean of seeds; the last column extrapolates the fit, "
+                  "linear in log pool, to 10x the largest pool):", "",
+                  "| OPD drafter | " + " | ".join(f"pool {n}" for n in pools) + " | gain per 10x pool | predicted at 10x |",
+                  "|---|" + "---:|" * (len(pools) + 2)]
+        for c in curves:
+            at = {q["pool"]: q for q in c["points"]}
+            cells = [f"{at[n]['ratio']:.3f} ({len(at[n]['seeds'])} seed{'s' * (len(at[n]['seeds']) > 1)})"
+                     if n in at else "-" for n in pools]
+            lines.append(f"| {c['drafter']} | " + " | ".join(cells) + f" | {c['slope_per_decade']:+.3f} | "
+                         f"{c['predicted_10x']['ratio']:.3f} (pool {c['predicted_10x']['pool']}) |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--render"]:
         print(render(json.loads(Path(sys.argv[2]).read_text())))
+        sys.exit(0)
+    if sys.argv[1:2] == ["--scale-curve"]:  # the PNG beside the table: <name>_scale_curve.png
+        src = Path(sys.argv[2])
+        print(plot_scale_curve(json.loads(src.read_text()), src.with_name(src.stem + "_scale_curve.png")))
         sys.exit(0)
     sys.exit(main())

@@ -395,6 +395,27 @@ def test_opd_at_scale_merges_seeds_and_reports_the_lowest_ratio():
     assert bench.across_seeds(both)[0]["drafter"] == "OPD naive best-val"
 
 
+def test_opd_at_scale_scale_curve_fits_gain_against_log_pool(tmp_path):
+    """The scale curve averages each pool's seeds, fits the gain linearly in log10(pool), extrapolates to 10x the
+    largest pool, and is rendered and plotted only for drafters measured at two pools or more."""
+    bench = _bench_opd_at_scale()
+    small = _scale_table(0, 1.2 * 1.01, 1.2)  # pool 48: gain 1%
+    for r in small["rows"][1:]:
+        r["pool"] = 48
+    table = bench.merge(bench.merge(small, _scale_table(0, 1.2 * 1.03, 1.2)), _scale_table(1, 1.2 * 1.05, 1.2))
+    (c,) = bench.scale_curve(table)
+    assert c["drafter"] == "OPD naive best-val" and [q["pool"] for q in c["points"]] == [48, 192]
+    assert abs(c["points"][1]["ratio"] - 1.04) < 1e-12 and abs(c["points"][1]["lowest"] - 1.03) < 1e-12
+    slope = 0.03 / math.log10(4)  # two points: the line through them
+    assert abs(c["slope_per_decade"] - slope) < 1e-12
+    assert c["predicted_10x"]["pool"] == 1920 and abs(c["predicted_10x"]["ratio"] - (1.04 + slope)) < 1e-12
+    assert "| OPD naive best-val | 1.010 (1 seed) | 1.040 (2 seeds) |" in bench.render(table)
+    assert bench.plot_scale_curve(table, tmp_path / "curve.png").stat().st_size > 0
+    one_pool = _scale_table(0, 1.3, 1.2)
+    assert bench.scale_curve(one_pool) == [] and bench.plot_scale_curve(one_pool, tmp_path / "none.png") is None
+    assert "against pool size" not in bench.render(one_pool) and not (tmp_path / "none.png").exists()
+
+
 def test_opd_at_scale_replays_each_drafter_once(tmp_path, monkeypatch):
     """The eval phase reads a drafter's stored replay back when its weights and the eval settings are unchanged,
     and replays it again when either changes."""
