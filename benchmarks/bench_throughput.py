@@ -16,7 +16,8 @@ machine (run it alone), each "before" the way the pipeline ran before continuous
 - ``capture``: SFT feature capture of those sequences at the tiny SFT config's layers: the HF
   forward with every layer's hidden states, one sample at a time (before) against
   ``decode.capture`` of the requested layers in length-bucketed batches (after); the
-  largest relative difference of the features.
+  largest relative difference of the features, and both rates over the compute bound (the body's
+  FLOPs over every token at the matmul rate), which caps the speedup any batching can give.
 - ``decode_of_chain``: decode-only tokens/s at batch 32 over the chain ceiling (``bench_decode.py``).
 
     .venv/bin/python benchmarks/bench_throughput.py [--json benchmarks/results/bench_throughput.json]
@@ -55,6 +56,7 @@ def main() -> None:
     from specforge_opd.config import load_config
     from specforge_opd.data.chat import render_prompt
     from specforge_opd.data.prompts import tokenize_prompts, training_pool
+    from specforge_opd.eval.flops import capture_target_flops
     from specforge_opd.models.adapter import extract_context_feature
     from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
     from specforge_opd.models.target import load_target
@@ -147,8 +149,15 @@ def main() -> None:
             got[i] = f
     cap_after_s = time.perf_counter() - t
     worst = max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref))
+    # both paths run every layer of the body over every token (no logits): the roofline of the
+    # capture is that work at the matmul rate, so the speedup it allows is bound_s / before_s
+    cap_flops = sum(capture_target_flops(model.config, seq_len=len(s)) for s in seqs)
+    cap_bound = len(seqs) / (cap_flops / (gflops * 1e9))
     res["capture"] = {"samples": len(seqs), "batch": CAPTURE_BATCH, "layers": layer_ids,
                       "before_samples_per_s": len(seqs) / cap_before_s, "after_samples_per_s": len(seqs) / cap_after_s,
+                      "compute_bound_samples_per_s": cap_bound,
+                      "before_of_compute_bound": len(seqs) / cap_before_s / cap_bound,
+                      "after_of_compute_bound": len(seqs) / cap_after_s / cap_bound,
                       "max_relative_difference": worst}
     print(json.dumps(res["capture"]), flush=True)
 
