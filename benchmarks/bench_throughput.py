@@ -150,7 +150,7 @@ def main() -> None:
     cap_after_s = time.perf_counter() - t
     worst = max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref))
     # both paths run every layer of the body over every token (no logits): the roofline of the
-    # capture is that work at the matmul rate, so the speedup it allows is bound_s / before_s
+    # capture is that work at the matmul rate, so no batching can beat cap_bound / before's rate
     cap_flops = sum(capture_target_flops(model.config, seq_len=len(s)) for s in seqs)
     cap_bound = len(seqs) / (cap_flops / (gflops * 1e9))
     res["capture"] = {"samples": len(seqs), "batch": CAPTURE_BATCH, "layers": layer_ids,
