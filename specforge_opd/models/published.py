@@ -1,10 +1,12 @@
 """Drafters shipped in the package: the embedded target's published DFlash drafter.
 
 A user starts OPD from a published DFlash checkpoint; on the embedded default
-that is ``published:smollm2-135m-instruct-dflash-b8-turns256-l3``, the plateau drafter
-of ``configs/small/sft_turns256_l3.yaml`` (3 layers; the SFT stage trained until
-validation tau stopped rising). Its predecessor, ``...-dflash-b8`` (1 layer,
-``configs/small/sft.yaml``), still ships and resolves. Any config path field that names a drafter accepts ``published:NAME``
+that is ``published:smollm2-135m-instruct-dflash-b8-mixmath-l3``, the plateau drafter
+of ``configs/small/sft_mix_math_l3.yaml`` (3 layers; chat, later turns, code and
+math prompts; the SFT stage trained until validation tau stopped rising). Its
+predecessors still ship and resolve: ``...-dflash-b8-turns256-l3`` (3 layers, chat
+only, ``configs/small/sft_turns256_l3.yaml``) and ``...-dflash-b8`` (1 layer,
+``configs/small/sft.yaml``). Any config path field that names a drafter accepts ``published:NAME``
 (``config.ExperimentConfig.resolve_path``).
 
 Each published drafter is an HF DFlash directory (``config.json``,
@@ -31,7 +33,7 @@ PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 #: Prefix of a config path that names a published drafter.
 SCHEME = "published:"
 #: The embedded target's published drafter: the one the main job and the OPD study start from.
-EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8-turns256-l3"
+EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8-mixmath-l3"
 RECORD_FILE = "training_record.json"
 #: The check recorded at publish time and recomputed by the test: prompts per eval set, new tokens.
 CHECK_PROMPTS = 4
@@ -198,7 +200,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
     pub.add_argument("--export", required=True)
     pub.add_argument("--config", required=True)
     # no default: a name is what users' configs resolve, and publishing over a shipped one replaces it
-    pub.add_argument("--name", required=True, help="the drafter's name; say what changed (e.g. ...-b8-turns256-l3)")
+    pub.add_argument("--name", required=True, help="the drafter's name; say what changed (e.g. ...-b8-mixmath-l3)")
     sub.add_parser("list", help="list the published drafters")
     args = p.parse_args(argv)
     if args.cmd == "list":
