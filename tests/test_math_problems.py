@@ -51,3 +51,26 @@ def test_the_source_loads_as_records_and_is_cached(tmp_path, monkeypatch):
     assert recs[0].meta["template"] == "quadratic"
     monkeypatch.setattr(math_problems, "draw", lambda *a, **k: pytest.fail("drawn again instead of read back"))
     assert load_source("math_problems", cache=tmp_path) == recs
+
+
+def test_the_records_and_the_cache_stamp_are_pinned(monkeypatch):
+    """Shipped drafters were trained on these records: new templates go in a new source
+    (``math_problems_v2``), and this module's text, which keys the cache, stays as it is."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import sympy
+
+    from specforge_opd.data import prompts
+
+    text_digest = "d150a6cfcc0b0ec7e8a44d657bc1633e0a9819b9"
+    assert hashlib.sha1(Path(math_problems.__file__).read_bytes()).hexdigest() == text_digest
+    # the draw is sequential: its first 110 records are those of the default draw
+    first = math_problems.draw(110)
+    assert hashlib.sha1(json.dumps(first).encode()).hexdigest() == "1296d12046e23845281283f946e01099f52a72cc"
+    assert (math_problems.DEFAULT_COUNT, math_problems.DEFAULT_SEED, len(math_problems.TEMPLATES)) == (4000, 0, 11)
+    stamps = {}
+    monkeypatch.setattr(prompts, "_cached", lambda name, src, parse, cache, stamp=None: stamps.setdefault(name, stamp))
+    load_source("math_problems")
+    assert stamps["math_problems"] == f"{text_digest}|{sympy.__version__}"

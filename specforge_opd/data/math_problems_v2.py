@@ -1,0 +1,1013 @@
+r"""More synthetic math prompts in the style of MATH-500, across MATH's seven subjects (``math_problems_v2``).
+
+``math_problems`` draws from 11 templates, most of them algebra and calculus; MATH-500
+spreads over seven subjects (Algebra, Counting & Probability, Geometry, Intermediate
+Algebra, Number Theory, Prealgebra, Precalculus), and each subject has its own response
+style: a base conversion, an answer in interval notation, a determinant or an exact
+trigonometric value is worked and written differently from a derivative. A drafter learns
+the target's style from the prompts it is trained on, so this source draws from those 11
+templates (imported from ``math_problems``, not copied) and from 37 more that cover every
+subject (``SUBJECTS`` names each template's).
+
+It is a module and a source of its own rather than an edit of ``math_problems``: that
+source's records and its cache stamp (the hash of its module's text) stay as they are,
+so drafters and configs built on it stay reproducible.
+
+As in ``math_problems``: each record comes from one template with integers drawn by a
+seeded ``random.Random``, the templates in turn; the answer is computed exactly
+(``Fraction``, integer square roots, a table of exact trigonometric values) and written
+as MATH writes it (``\frac{3}{4}``, ``6\sqrt{2}``, ``\frac{5\pi}{6}``, ``(-\infty, 2]``).
+The records are the same on every machine for the same ``(count, seed)``: nothing
+depends on the clock, the locale, a file or string hashing (no iteration over a set of
+strings). The new templates write their LaTeX by hand, in MATH's spacing (``x^2 - 5x``),
+and need no sympy; the imported ones print with sympy, whose version is part of the cache
+stamp (``data.prompts``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from fractions import Fraction
+from typing import Callable, Optional
+
+from specforge_opd.data import math_problems
+from specforge_opd.data.math_problems import _nonzero
+
+#: Records of the ``math_problems_v2`` source and the seed of their draw.
+DEFAULT_COUNT = 8000
+DEFAULT_SEED = 0
+SOURCE = "math_problems_v2"
+
+Draw = Callable[[random.Random], tuple[str, str]]
+
+
+# ---------------------------------------------------------------------------
+# LaTeX in MATH's conventions
+
+
+def _frac(q) -> str:
+    """An integer, or ``\\frac{p}{q}`` with the sign in front (``-\\frac{3}{4}``)."""
+    q = Fraction(q)
+    if q.denominator == 1:
+        return str(q.numerator)
+    return f"{'-' if q < 0 else ''}\\frac{{{abs(q.numerator)}}}{{{q.denominator}}}"
+
+
+def _fraction_note(q) -> str:
+    """MATH's instruction for a non-integer answer (an integer answer needs none)."""
+    return " Express your answer as a common fraction." if Fraction(q).denominator != 1 else ""
+
+
+def _decimal(q) -> str:
+    """A terminating decimal, exactly (``Fraction(15, 4)`` -> ``3.75``), without trailing zeros.
+
+    Raises:
+        ValueError: ``q`` has no decimal of at most 6 places (a template drew badly).
+    """
+    q = Fraction(q)
+    for places in range(7):
+        scaled = q * 10**places
+        if scaled.denominator == 1:
+            digits = str(abs(scaled.numerator)).rjust(places + 1, "0")
+            body = digits if places == 0 else f"{digits[:-places]}.{digits[-places:]}"
+            return ("-" if q < 0 else "") + body
+    raise ValueError(f"{q} has no short terminating decimal")
+
+
+def _money(cents: int) -> str:
+    return f"{cents // 100}.{cents % 100:02d}"
+
+
+def _sqrt_parts(n: int) -> tuple[int, int]:
+    """``(k, m)`` with ``sqrt(n) = k * sqrt(m)`` and ``m`` square-free (``n`` >= 1)."""
+    k, m, d = 1, n, 2
+    while d * d <= m:
+        while m % (d * d) == 0:
+            m //= d * d
+            k *= d
+        d += 1
+    return k, m
+
+
+def _times(coef, symbol: str) -> str:
+    """``coef`` times ``symbol`` (``\\pi``, ``\\sqrt{3}``, or empty): ``\\frac{5\\pi}{6}``, ``-3\\sqrt{2}``."""
+    coef = Fraction(coef)
+    if coef == 0:
+        return "0"
+    if not symbol:
+        return _frac(coef)
+    p, q = abs(coef.numerator), coef.denominator
+    num = symbol if p == 1 else f"{p}{symbol}"
+    body = num if q == 1 else f"\\frac{{{num}}}{{{q}}}"
+    return ("-" if coef < 0 else "") + body
+
+
+def _root(coef, m: int) -> str:
+    """``coef * sqrt(m)`` for a square-free ``m`` (1 writes no root)."""
+    return _times(coef, "" if m == 1 else f"\\sqrt{{{m}}}")
+
+
+def _surd(n: int, coef=1) -> str:
+    """``coef * sqrt(n)`` in simplest radical form (``_surd(72)`` -> ``6\\sqrt{2}``)."""
+    if n == 0:
+        return "0"
+    k, m = _sqrt_parts(n)
+    return _root(Fraction(coef) * k, m)
+
+
+def _pi(coef) -> str:
+    return _times(coef, "\\pi")
+
+
+def _combo(terms: list[tuple[int, str]]) -> str:
+    """A sum of ``(integer coefficient, monomial)`` terms, signs folded: ``x^2 - 6x + y^2 + 4y``."""
+    out = ""
+    for c, mono in terms:
+        if c == 0:
+            continue
+        mag = abs(c)
+        term = str(mag) if not mono else (mono if mag == 1 else f"{mag}{mono}")
+        if not out:
+            out = ("-" if c < 0 else "") + term
+        else:
+            out += (" - " if c < 0 else " + ") + term
+    return out or "0"
+
+
+def _poly(coeffs: list[int], var: str = "x") -> str:
+    """The polynomial with ``coeffs`` from the highest degree down: ``[2, -5, 3]`` -> ``2x^2 - 5x + 3``."""
+    deg = len(coeffs) - 1
+
+    def mono(d: int) -> str:
+        return "" if d == 0 else var if d == 1 else f"{var}^{d}" if d < 10 else f"{var}^{{{d}}}"
+
+    return _combo([(c, mono(deg - i)) for i, c in enumerate(coeffs)])
+
+
+def _signed_sum(values: list) -> str:
+    """Fractions joined into a sum: ``3 - \\frac{3}{2} + \\frac{3}{4}``."""
+    out = _frac(values[0])
+    for v in values[1:]:
+        out += f" - {_frac(-v)}" if v < 0 else f" + {_frac(v)}"
+    return out
+
+
+def _matrix(rows: list[list], env: str = "pmatrix") -> str:
+    body = " \\\\ ".join(" & ".join(str(e) for e in row) for row in rows)
+    return f"\\begin{{{env}}} {body} \\end{{{env}}}"
+
+
+def _column(entries: list) -> str:
+    return _matrix([[e] for e in entries])
+
+
+def _complex(re, im) -> str:
+    """``a + bi`` as MATH writes it: ``3 - i``, ``-2i``, ``\\frac{1}{5} + \\frac{7}{5}i``."""
+    re, im = Fraction(re), Fraction(im)
+    if im == 0:
+        return _frac(re)
+    mag = abs(im)
+    imag = ("" if mag == 1 else _frac(mag)) + "i"
+    if re == 0:
+        return ("-" if im < 0 else "") + imag
+    return f"{_frac(re)} {'-' if im < 0 else '+'} {imag}"
+
+
+def _in_base(n: int, base: int) -> str:
+    digits = ""
+    while True:
+        n, d = divmod(n, base)
+        digits = "0123456789ABCDEF"[d] + digits
+        if n == 0:
+            return digits
+
+
+def _based(n: int, base: int) -> str:
+    """``n`` written in ``base`` with its subscript: ``1203_4``."""
+    return f"{_in_base(n, base)}_{{{base}}}" if base >= 10 else f"{_in_base(n, base)}_{base}"
+
+
+# exact values on the unit circle: the cosine of a first-quadrant angle as coef * sqrt(m)
+_COS = {0: (Fraction(1), 1), 30: (Fraction(1, 2), 3), 45: (Fraction(1, 2), 2), 60: (Fraction(1, 2), 1),
+        90: (Fraction(0), 1)}
+#: The angles (degrees) whose sine, cosine and tangent MATH expects exactly.
+ANGLES = (0, 30, 45, 60, 90, 120, 135, 150, 180, 210, 225, 240, 270, 300, 315, 330)
+
+
+def _cos(d: int) -> tuple[Fraction, int]:
+    d %= 360
+    if d > 180:
+        d = 360 - d
+    if d > 90:
+        c, m = _cos(180 - d)
+        return -c, m
+    return _COS[d]
+
+
+def _sin(d: int) -> tuple[Fraction, int]:
+    return _cos(90 - d)
+
+
+def _tan(d: int) -> tuple[Fraction, int]:
+    (s, sm), (c, cm) = _sin(d), _cos(d)
+    # s sqrt(sm) / (c sqrt(cm)) = s / (c cm) * sqrt(sm cm)
+    k, m = _sqrt_parts(sm * cm)
+    return s / (c * cm) * k, m
+
+
+# ---------------------------------------------------------------------------
+# Algebra
+
+
+def _absolute_value(rng: random.Random) -> tuple[str, str]:
+    a, b, c = rng.randint(1, 6), _nonzero(rng, -15, 15), rng.randint(1, 20)
+    eq = f"$|{_poly([a, b])}| = {c}$"
+    r1, r2 = Fraction(c - b, a), Fraction(-c - b, a)
+    kind = rng.choice(["sum", "product", "difference"])
+    if kind == "sum":
+        q, prompt = r1 + r2, f"What is the sum of all values of $x$ that satisfy {eq}?"
+    elif kind == "product":
+        q, prompt = r1 * r2, f"Find the product of all values of $x$ such that {eq}."
+    else:
+        q, prompt = abs(r1 - r2), f"What is the positive difference between the two solutions of {eq}?"
+    return prompt + _fraction_note(q), _frac(q)
+
+
+def _vieta(rng: random.Random) -> tuple[str, str]:
+    while True:
+        a, b, c = rng.randint(1, 6), _nonzero(rng, -20, 20), _nonzero(rng, -20, 20)
+        if b * b - 4 * a * c > 0:
+            break
+    s, p = Fraction(-b, a), Fraction(c, a)
+    eq = f"${_poly([a, b, c])} = 0$"
+    kind = rng.choice(["sum", "product", "squares", "reciprocals"])
+    if kind == "sum":
+        q, prompt = s, f"What is the sum of the roots of {eq}?"
+    elif kind == "product":
+        q, prompt = p, f"What is the product of the roots of {eq}?"
+    elif kind == "squares":
+        q, prompt = s * s - 2 * p, f"Let $r$ and $s$ be the solutions to {eq}. Compute $r^2 + s^2$."
+    else:
+        q, prompt = s / p, f"Let $r$ and $s$ be the roots of {eq}. What is $\\frac{{1}}{{r}} + \\frac{{1}}{{s}}$?"
+    return prompt + _fraction_note(q), _frac(q)
+
+
+def _line(rng: random.Random) -> tuple[str, str]:
+    x1, y1, y2 = rng.randint(-10, 10), rng.randint(-10, 10), rng.randint(-10, 10)
+    x2 = x1 + _nonzero(rng, -8, 8)
+    m = Fraction(y2 - y1, x2 - x1)
+    b = y1 - m * x1
+    pts = f"$({x1}, {y1})$ and $({x2}, {y2})$"
+    kind = rng.choice(["slope", "intercept", "sum"])
+    if kind == "slope":
+        q, prompt = m, f"What is the slope of the line passing through {pts}?"
+    elif kind == "intercept":
+        q, prompt = b, f"A line passes through the points {pts}. What is the $y$-intercept of the line?"
+    else:
+        q, prompt = m + b, f"The equation of the line through {pts} can be written in the form $y = mx + b$. What is $m + b$?"
+    return prompt + _fraction_note(q), _frac(q)
+
+
+def _distance_midpoint(rng: random.Random) -> tuple[str, str]:
+    x1, y1 = rng.randint(-12, 12), rng.randint(-12, 12)
+    x2, y2 = x1 + _nonzero(rng, -10, 10), y1 + rng.randint(-10, 10)
+    pts = f"$({x1}, {y1})$ and $({x2}, {y2})$"
+    kind = rng.choice(["distance", "midpoint", "midpoint_sum"])
+    if kind == "distance":
+        d2 = (x2 - x1) ** 2 + (y2 - y1) ** 2
+        note = "" if math.isqrt(d2) ** 2 == d2 else " Express your answer in simplest radical form."
+        return f"What is the distance between the points {pts}?{note}", _surd(d2)
+    mx, my = Fraction(x1 + x2, 2), Fraction(y1 + y2, 2)
+    if kind == "midpoint":
+        return (f"What is the midpoint of the segment with endpoints {pts}? Express your answer as an ordered pair.",
+                f"({_frac(mx)}, {_frac(my)})")
+    q = mx + my
+    return f"What is the sum of the coordinates of the midpoint of the segment with endpoints {pts}?{_fraction_note(q)}", \
+        _frac(q)
+
+
+def _composition(rng: random.Random) -> tuple[str, str]:
+    a, b = _nonzero(rng, -6, 6), rng.randint(-9, 9)
+    c, d, e = _nonzero(rng, -3, 3), rng.randint(-6, 6), rng.randint(-9, 9)
+    k = rng.randint(-4, 4)
+
+    def f(t):
+        return a * t + b
+
+    def g(t):
+        return c * t * t + d * t + e
+
+    defs = f"Let $f(x) = {_poly([a, b])}$ and $g(x) = {_poly([c, d, e])}$."
+    if rng.random() < 0.5:
+        return f"{defs} What is $f(g({k}))$?", str(f(g(k)))
+    return f"{defs} What is $g(f({k}))$?", str(g(f(k)))
+
+
+def _inverse(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        a, b, k = _nonzero(rng, -9, 9), rng.randint(-15, 15), rng.randint(-20, 20)
+        q = Fraction(k - b, a)
+        return f"If $f(x) = {_poly([a, b])}$, what is $f^{{-1}}({k})$?{_fraction_note(q)}", _frac(q)
+    while True:
+        a, b, c, d = (_nonzero(rng, -5, 5) for _ in range(4))
+        k = rng.randint(-6, 6)
+        if a * d - b * c != 0 and c * k != a:
+            break
+    # y = (ax + b) / (cx + d)  =>  x = (b - dy) / (cy - a)
+    q = Fraction(b - d * k, c * k - a)
+    return (f"Let $f(x) = \\frac{{{_poly([a, b])}}}{{{_poly([c, d])}}}$. Find $f^{{-1}}({k})$.{_fraction_note(q)}",
+            _frac(q))
+
+
+def _domain(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["sqrt", "rational", "excluded"])
+    if kind == "sqrt":
+        a, b = _nonzero(rng, -6, 6), rng.randint(-20, 20)
+        edge = _frac(Fraction(-b, a))
+        answer = f"[{edge}, \\infty)" if a > 0 else f"(-\\infty, {edge}]"
+        return (f"What is the domain of the function $f(x) = \\sqrt{{{_poly([a, b])}}}$? "
+                "Express your answer in interval notation.", answer)
+    r1, r2 = sorted(rng.sample(range(-9, 10), 2))
+    den = _poly([1, -(r1 + r2), r1 * r2])
+    if kind == "rational":
+        num = _poly([1, rng.randint(-9, 9)])
+        return (f"What is the domain of the function $f(x) = \\frac{{{num}}}{{{den}}}$? "
+                "Express your answer as a union of intervals.",
+                f"(-\\infty, {r1}) \\cup ({r1}, {r2}) \\cup ({r2}, \\infty)")
+    return (f"What is the sum of all values of $x$ that are not in the domain of the function "
+            f"$f(x) = \\frac{{{rng.randint(1, 9)}}}{{{den}}}$?", str(r1 + r2))
+
+
+def _geometric_series(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        a, q = _nonzero(rng, -12, 12), rng.randint(2, 7)
+        r = Fraction(_nonzero(rng, -(q - 1), q - 1), q)
+        total = a / (1 - r)
+        return (f"Evaluate the infinite geometric series: ${_signed_sum([a * r**k for k in range(3)])} + \\cdots$"
+                f"{_fraction_note(total)}", _frac(total))
+    a, r, n = rng.randint(1, 9), rng.choice([2, 3, 4, 5, -2, -3]), rng.randint(4, 8)
+    terms = ", ".join(str(a * r**k) for k in range(3))
+    return f"What is the sum of the first {n} terms of the geometric sequence ${terms}, \\ldots$?", \
+        str(sum(a * r**k for k in range(n)))
+
+
+def _logarithm(rng: random.Random) -> tuple[str, str]:
+    p = rng.choice([2, 3, 5, 7, 10])
+    m = 1 if p == 10 else rng.randint(1, 3)
+    base = p**m
+    kind = rng.choice(["evaluate", "evaluate", "solve", "exponent"])
+    if kind == "evaluate":
+        n = rng.randint(-4, 7)
+        q = Fraction(n, m)
+        return f"Evaluate $\\log_{{{base}}} {_frac(Fraction(p) ** n)}$.{_fraction_note(q)}", _frac(q)
+    if kind == "solve":
+        k = rng.randint(-2, 3)
+        q = Fraction(base) ** k
+        return f"Solve for $x$: $\\log_{{{base}}} x = {k}$.{_fraction_note(q)}", _frac(q)
+    # p^(ax + c) = p^k
+    a, c, k = _nonzero(rng, -4, 5), rng.randint(-6, 6), rng.randint(1, 6)
+    q = Fraction(k - c, a)
+    return f"Solve for $x$: ${p}^{{{_poly([a, c])}}} = {p**k}$.{_fraction_note(q)}", _frac(q)
+
+
+def _rational_equation(rng: random.Random) -> tuple[str, str]:
+    while True:
+        a, b, c = rng.randint(-9, 9), rng.randint(-9, 9), _nonzero(rng, -6, 6)
+        if c != 1 and Fraction(c * b + a, c - 1) != b:
+            break
+    # x + a = c(x - b)  =>  x = (cb + a) / (c - 1)
+    q = Fraction(c * b + a, c - 1)
+    return (f"Solve for $x$: $\\frac{{{_poly([1, a])}}}{{{_poly([1, -b])}}} = {c}$.{_fraction_note(q)}", _frac(q))
+
+
+# ---------------------------------------------------------------------------
+# Intermediate Algebra
+
+
+def _inequality(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["interval", "interval", "count", "linear"])
+    r1, r2 = sorted(rng.sample(range(-9, 10), 2))
+    poly = _poly([1, -(r1 + r2), r1 * r2])
+    if kind == "interval":
+        rel = rng.choice(["<", "\\le", ">", "\\ge"])
+        answer = {"<": f"({r1}, {r2})", "\\le": f"[{r1}, {r2}]",
+                  ">": f"(-\\infty, {r1}) \\cup ({r2}, \\infty)",
+                  "\\ge": f"(-\\infty, {r1}] \\cup [{r2}, \\infty)"}[rel]
+        return f"For what values of $x$ is ${poly} {rel} 0$? Express your answer in interval notation.", answer
+    if kind == "count":
+        return f"How many integers $x$ satisfy ${poly} < 0$?", str(r2 - r1 - 1)
+    a, b, c = _nonzero(rng, -7, 7), rng.randint(-20, 20), rng.randint(-20, 20)
+    bound = Fraction(c - b, a)
+    if a > 0:
+        return f"What is the greatest integer $x$ for which ${_poly([a, b])} < {c}$?", str(math.ceil(bound) - 1)
+    return f"What is the least integer $x$ for which ${_poly([a, b])} < {c}$?", str(math.floor(bound) + 1)
+
+
+def _complex_numbers(rng: random.Random) -> tuple[str, str]:
+    a, b, c, d = rng.randint(-9, 9), _nonzero(rng, -9, 9), rng.randint(-9, 9), _nonzero(rng, -9, 9)
+    z1, z2 = _complex(a, b), _complex(c, d)
+    kind = rng.choice(["product", "quotient", "powers", "modulus"])
+    if kind == "product":
+        return f"Simplify $({z1})({z2})$.", _complex(a * c - b * d, a * d + b * c)
+    if kind == "quotient":
+        den = c * c + d * d
+        return (f"Simplify $\\dfrac{{{z1}}}{{{z2}}}$. Your answer should be of the form $a+bi$, where $a$ and $b$ "
+                "are both real numbers and written as improper fractions (if necessary).",
+                _complex(Fraction(a * c + b * d, den), Fraction(b * c - a * d, den)))
+    if kind == "powers":
+        n, m = rng.randint(2, 250), rng.randint(2, 250)
+        units = [(1, 0), (0, 1), (-1, 0), (0, -1)]
+        re, im = (units[n % 4][0] + units[m % 4][0]), (units[n % 4][1] + units[m % 4][1])
+        return f"Evaluate $i^{{{n}}} + i^{{{m}}}$.", _complex(re, im)
+    return f"Evaluate $|{z1}|$.", _surd(a * a + b * b)
+
+
+def _poly_remainder(rng: random.Random) -> tuple[str, str]:
+    deg = rng.randint(3, 5)
+    coeffs = [_nonzero(rng, -5, 5)] + [rng.randint(-9, 9) for _ in range(deg)]
+    r = _nonzero(rng, -3, 3)
+    value = sum(c * r ** (deg - i) for i, c in enumerate(coeffs))
+    return f"What is the remainder when ${_poly(coeffs)}$ is divided by ${_poly([1, -r])}$?", str(value)
+
+
+def _floor_ceiling(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["sqrt", "fraction", "decimals"])
+    if kind == "sqrt":
+        n = rng.randint(2, 999)
+        while math.isqrt(n) ** 2 == n:
+            n += 1
+        if rng.random() < 0.5:
+            return f"Evaluate $\\lfloor\\sqrt{{{n}}}\\rfloor$.", str(math.isqrt(n))
+        return f"Evaluate $\\lceil\\sqrt{{{n}}}\\rceil$.", str(math.isqrt(n) + 1)
+    if kind == "fraction":
+        d = rng.randint(2, 9)
+        q = Fraction(d * _nonzero(rng, -12, 12) + rng.randint(1, d - 1), d)
+        if rng.random() < 0.5:
+            return f"Evaluate $\\left\\lfloor {_frac(q)} \\right\\rfloor$.", str(math.floor(q))
+        return f"Evaluate $\\left\\lceil {_frac(q)} \\right\\rceil$.", str(math.ceil(q))
+    x, y = Fraction(rng.randint(-999, 999), 100), Fraction(rng.randint(-999, 999), 100)
+    return f"Evaluate $\\lfloor {_decimal(x)} \\rfloor + \\lceil {_decimal(y)} \\rceil$.", str(math.floor(x) + math.ceil(y))
+
+
+# ---------------------------------------------------------------------------
+# Number Theory
+
+
+def _base_conversion(rng: random.Random) -> tuple[str, str]:
+    b = rng.randint(2, 9)
+    kind = rng.choice(["to_base", "from_base", "sum"])
+    if kind == "to_base":
+        n = rng.randint(b * b, 3000)
+        return f"Convert ${n}_{{10}}$ to base ${b}$.", _based(n, b)
+    if kind == "from_base":
+        n = rng.randint(b * b, b**5 - 1)
+        return f"What is ${_based(n, b)}$ in base 10?", str(n)
+    x, y = rng.randint(b, b**4), rng.randint(b, b**4)
+    return f"Find ${_based(x, b)} + {_based(y, b)}$. Express your answer in base ${b}$.", _based(x + y, b)
+
+
+def _divisors(rng: random.Random) -> tuple[str, str]:
+    primes = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31]
+    while True:
+        chosen = sorted(rng.sample(primes, rng.randint(1, 3)))
+        factors = {p: rng.randint(1, 4) for p in chosen}
+        n = math.prod(p**e for p, e in factors.items())
+        if 12 <= n <= 5000:
+            break
+    kind = rng.choice(["count", "sum", "largest_prime", "prime_sum"])
+    if kind == "count":
+        return f"How many positive divisors does ${n}$ have?", str(math.prod(e + 1 for e in factors.values()))
+    if kind == "sum":
+        return (f"What is the sum of the positive divisors of ${n}$?",
+                str(math.prod((p ** (e + 1) - 1) // (p - 1) for p, e in factors.items())))
+    if kind == "largest_prime":
+        return f"What is the largest prime factor of ${n}$?", str(max(factors))
+    return f"What is the sum of the distinct prime factors of ${n}$?", str(sum(factors))
+
+
+def _congruence(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["solve", "inverse", "units", "sum"])
+    if kind in ("solve", "inverse"):
+        m = rng.randint(5, 40)
+        a = rng.choice([k for k in range(2, m) if math.gcd(k, m) == 1])
+        inv = pow(a, -1, m)
+        if kind == "inverse":
+            return (f"Find ${a}^{{-1}} \\pmod{{{m}}}$, as a residue modulo ${m}$. "
+                    f"(Give an answer between $0$ and ${m - 1}$, inclusive.)", str(inv))
+        b = rng.randint(1, m - 1)
+        return (f"What is the smallest positive integer $x$ that satisfies ${a}x \\equiv {b} \\pmod{{{m}}}$?",
+                str(b * inv % m))
+    if kind == "units":
+        base, e = rng.randint(2, 99), rng.randint(10, 999)
+        return f"What is the units digit of ${base}^{{{e}}}$?", str(pow(base, e, 10))
+    n, m = rng.randint(10, 200), rng.randint(3, 15)
+    return f"What is the remainder when $1 + 2 + 3 + \\cdots + {n}$ is divided by ${m}$?", str(n * (n + 1) // 2 % m)
+
+
+def _repeating_decimal(rng: random.Random) -> tuple[str, str]:
+    k = rng.randint(1, 3)
+    while True:
+        block = str(rng.randint(1, 10**k - 2)).rjust(k, "0")
+        if k == 1 or len(set(block)) > 1:  # 0.\overline{33} is 0.\overline{3}
+            break
+    pre = "".join(str(rng.randint(0, 9)) for _ in range(rng.choice([0, 0, 1])))
+    whole = rng.choice([0, 0, 0, 1, 2, 3])
+    value = whole + Fraction(int(pre or 0), 10 ** len(pre)) + Fraction(int(block), (10**k - 1) * 10 ** len(pre))
+    return f"Express ${whole}.{pre}\\overline{{{block}}}$ as a common fraction in lowest terms.", _frac(value)
+
+
+# ---------------------------------------------------------------------------
+# Counting & Probability
+
+_WORDS = ("BANANA", "LETTER", "ALABAMA", "COMMITTEE", "BOOKKEEPER", "MISSISSIPPI", "GAMMA", "TARTAR", "PEPPER",
+          "LEVEL", "BALLOON", "COOKIE", "ELEVEN", "RADAR", "PUPPY", "TATTOO", "ERROR", "GOOGOL", "ADDED", "SASSY")
+_NAMES = ("Alice", "Ben", "Carla", "Diego", "Emma", "Farid", "Grace", "Hiro")
+
+
+def _counting(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["committee", "binomial", "officers", "round", "word", "apart"])
+    if kind == "committee":
+        n = rng.randint(6, 15)
+        k = rng.randint(2, min(5, n - 1))
+        return f"In how many ways can a {k}-person committee be chosen from a group of {n} people?", str(math.comb(n, k))
+    if kind == "binomial":
+        n = rng.randint(5, 20)
+        k = rng.randint(1, n - 1)
+        return f"Compute $\\dbinom{{{n}}}{{{k}}}$.", str(math.comb(n, k))
+    if kind == "officers":
+        n, r = rng.randint(5, 25), rng.choice([2, 3])
+        roles = "a president and a vice-president" if r == 2 else "a president, a secretary and a treasurer"
+        return (f"In how many ways can {roles} be chosen from a club of {n} members, if no member can hold more "
+                "than one office?", str(math.perm(n, r)))
+    if kind == "round":
+        n = rng.randint(4, 10)
+        # not MATH's own wording of this condition: its 13 words match a MATH-500 problem
+        return (f"In how many ways can {n} people sit around a round table, if seatings that are rotations of each "
+                "other count as the same?", str(math.factorial(n - 1)))
+    if kind == "word":
+        word = rng.choice(_WORDS)
+        ways = math.factorial(len(word)) // math.prod(math.factorial(c) for c in Counter(word).values())
+        return f"Determine the number of ways to arrange the letters of the word {word}.", str(ways)
+    n = rng.randint(4, 9)
+    a, b = rng.sample(_NAMES, 2)
+    return (f"In how many ways can {n} people stand in a row if two of them, {a} and {b}, refuse to stand next to "
+            "each other?", str(math.factorial(n) - 2 * math.factorial(n - 1)))
+
+
+def _marbles(rng: random.Random) -> tuple[str, str]:
+    colors = rng.sample(["red", "blue", "green", "white", "yellow"], rng.choice([2, 2, 3]))
+    counts = [rng.randint(2, 9) for _ in colors]
+    total = sum(counts)
+    desc = ", ".join(f"{n} {c}" for n, c in zip(counts[:-1], colors[:-1])) + f" and {counts[-1]} {colors[-1]} marbles"
+    pairs = math.comb(total, 2)
+    kind = rng.choice(["both", "same", "one_each", "replace"])
+    if kind == "both":
+        q, ask = Fraction(math.comb(counts[0], 2), pairs), f"without replacement. What is the probability that both are {colors[0]}?"
+    elif kind == "same":
+        q, ask = (Fraction(sum(math.comb(n, 2) for n in counts), pairs),
+                  "without replacement. What is the probability that the two marbles are the same color?")
+    elif kind == "one_each":
+        q, ask = (Fraction(counts[0] * counts[1], pairs),
+                  f"without replacement. What is the probability that one is {colors[0]} and the other is {colors[1]}?")
+    else:
+        q, ask = (Fraction(counts[0], total) ** 2,
+                  f"with replacement (the first is put back before the second is drawn). What is the probability "
+                  f"that both are {colors[0]}?")
+    return f"A bag contains {desc}. Two marbles are drawn at random {ask}{_fraction_note(q)}", _frac(q)
+
+
+def _coins(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["exactly", "at_least", "expected"])
+    if kind == "expected":
+        s = rng.choice([4, 6, 8, 10, 12, 20])
+        return (f"What is the expected value of the roll of a fair {s}-sided die? (A fair {s}-sided die has {s} faces "
+                f"numbered from 1 to {s}.) Express your answer as a decimal.", _decimal(Fraction(s + 1, 2)))
+    n = rng.randint(3, 10)
+    k = rng.randint(1, n)
+    if kind == "exactly":
+        q = Fraction(math.comb(n, k), 2**n)
+        return (f"A fair coin is flipped {n} times. What is the probability that exactly {k} of the flips come up "
+                f"heads?{_fraction_note(q)}", _frac(q))
+    q = Fraction(sum(math.comb(n, j) for j in range(k, n + 1)), 2**n)
+    return (f"A fair coin is flipped {n} times. What is the probability of getting at least {k} heads?"
+            f"{_fraction_note(q)}", _frac(q))
+
+
+# ---------------------------------------------------------------------------
+# Geometry
+
+#: Regular polygons whose interior angle is a whole number of degrees (n divides 360).
+_WHOLE_ANGLE_SIDES = (3, 4, 5, 6, 8, 9, 10, 12, 15, 18, 20, 24, 30, 36, 40, 45, 60, 72, 90, 120, 180, 360)
+
+
+def _polygon(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["interior", "sides", "exterior", "sum", "diagonals"])
+    n = rng.choice(_WHOLE_ANGLE_SIDES)
+    if kind == "interior":
+        return (f"What is the measure, in degrees, of each interior angle of a regular polygon with {n} sides?",
+                str(180 - 360 // n))
+    if kind == "sides":
+        return (f"Each interior angle of a regular polygon measures ${180 - 360 // n}^\\circ$. How many sides does the "
+                "polygon have?", str(n))
+    if kind == "exterior":
+        return (f"Each exterior angle of a regular polygon measures ${360 // n}^\\circ$. How many sides does the "
+                "polygon have?", str(n))
+    n = rng.randint(4, 40)
+    if kind == "sum":
+        return f"What is the sum, in degrees, of the interior angles of a convex polygon with {n} sides?", str(180 * (n - 2))
+    return f"How many diagonals does a convex polygon with {n} sides have?", str(n * (n - 3) // 2)
+
+
+def _circle(rng: random.Random) -> tuple[str, str]:
+    h, k, r2 = rng.randint(-9, 9), rng.randint(-9, 9), rng.randint(1, 60)
+    lhs = _combo([(1, "x^2"), (-2 * h, "x"), (1, "y^2"), (-2 * k, "y")])
+    eq = f"${lhs} = {r2 - h * h - k * k}$"
+    kind = rng.choice(["center", "radius", "area", "sum"])
+    if kind == "center":
+        return f"Find the center of the circle with equation {eq}.", f"({h}, {k})"
+    if kind == "radius":
+        note = "" if math.isqrt(r2) ** 2 == r2 else " Express your answer in simplest radical form."
+        return f"What is the radius of the circle with equation {eq}?{note}", _surd(r2)
+    if kind == "area":
+        return (f"What is the area of the region enclosed by the graph of the equation {eq}? "
+                "Express your answer in terms of $\\pi$.", _pi(r2))
+    return f"The center of the circle with equation {eq} is the point $(h, k)$. What is $h + k$?", str(h + k)
+
+
+def _solids(rng: random.Random) -> tuple[str, str]:
+    r, h = rng.randint(1, 12), rng.randint(1, 20)
+    in_pi = " Express your answer in terms of $\\pi$."
+    kind = rng.choice(["cylinder", "cone", "sphere", "sphere_area", "cube_diagonal", "box_diagonal"])
+    if kind == "cylinder":
+        return (f"A right circular cylinder has a radius of ${r}$ units and a height of ${h}$ units. What is its "
+                f"volume, in cubic units?{in_pi}", _pi(r * r * h))
+    if kind == "cone":
+        return (f"A right circular cone has a base radius of ${r}$ units and a height of ${h}$ units. What is its "
+                f"volume, in cubic units?{in_pi}", _pi(Fraction(r * r * h, 3)))
+    if kind == "sphere":
+        return f"What is the volume, in cubic units, of a sphere with radius ${r}$ units?{in_pi}", _pi(Fraction(4 * r**3, 3))
+    if kind == "sphere_area":
+        return f"What is the surface area, in square units, of a sphere with radius ${r}$ units?{in_pi}", _pi(4 * r * r)
+    if kind == "cube_diagonal":
+        return (f"What is the length of a space diagonal of a cube with edge length ${r}$ units? Express your answer "
+                "in simplest radical form.", _surd(3, r))
+    a, b, c = sorted(rng.randint(1, 12) for _ in range(3))
+    d2 = a * a + b * b + c * c
+    note = "" if math.isqrt(d2) ** 2 == d2 else " Express your answer in simplest radical form."
+    return (f"A rectangular box measures ${a}$ by ${b}$ by ${c}$ units. What is the length of the segment joining "
+            f"two opposite vertices of the box (an interior diagonal)?{note}", _surd(d2))
+
+
+_TRIPLES = ((3, 4, 5), (5, 12, 13), (8, 15, 17), (7, 24, 25), (20, 21, 29), (9, 40, 41))
+
+
+def _triangle(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["ratio", "equilateral", "third_side", "angle"])
+    if kind == "ratio":
+        s = rng.randint(1, 4)
+        a, b, c = (s * v for v in rng.choice(_TRIPLES))
+        fn = rng.choice(["sin", "cos", "tan"])
+        q = {"sin": Fraction(a, c), "cos": Fraction(b, c), "tan": Fraction(a, b)}[fn]
+        return (f"In right triangle $ABC$ with $\\angle C = 90^\\circ$, we have $AB = {c}$ and $BC = {a}$. "
+                f"What is $\\{fn} A$?{_fraction_note(q)}", _frac(q))
+    if kind == "equilateral":
+        s = rng.randint(1, 20)
+        return (f"What is the area, in square units, of an equilateral triangle whose sides each measure ${s}$ units? "
+                "Express your answer in simplest radical form.", _root(Fraction(s * s, 4), 3))
+    if kind == "third_side":
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        return (f"Two sides of a triangle measure ${a}$ cm and ${b}$ cm. How many different whole-number lengths, in "
+                "centimeters, are possible for the third side?", str(2 * min(a, b) - 1))
+    a = rng.randint(20, 120)
+    b = rng.randint(10, 170 - a)
+    return (f"In triangle $ABC$, $\\angle A = {a}^\\circ$ and $\\angle B = {b}^\\circ$. What is the measure of "
+            "$\\angle C$, in degrees?", str(180 - a - b))
+
+
+# ---------------------------------------------------------------------------
+# Prealgebra
+
+
+def _percent(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["of", "sale", "successive", "what_percent", "increase"])
+    if kind == "of":
+        p, n = rng.randint(1, 99), rng.randint(10, 400)
+        q = Fraction(p * n, 100)
+        note = "" if q.denominator == 1 else " Express your answer as a decimal."
+        return f"What is ${p}\\%$ of ${n}$?{note}", _decimal(q)
+    if kind == "sale":
+        price, p = rng.randint(10, 200), rng.choice([10, 15, 20, 25, 30, 40, 50])
+        return (f"A jacket regularly priced at \\${price} is on sale for ${p}\\%$ off. What is the sale price, in dollars?",
+                _decimal(Fraction(price * (100 - p), 100)))
+    if kind == "successive":
+        p, q = rng.choice([10, 20, 25, 30, 40, 50]), rng.choice([10, 20, 25, 30, 40, 50])
+        return (f"A store reduces the price of a coat by ${p}\\%$ and later reduces the new price by ${q}\\%$. The "
+                "final price is what percent of the original price?", _decimal(Fraction((100 - p) * (100 - q), 100)))
+    if kind == "what_percent":
+        b = rng.choice([4, 5, 8, 10, 16, 20, 25, 40, 50, 80, 125, 200])
+        a = rng.randint(1, b)
+        return f"What percent of ${b}$ is ${a}$?", _decimal(Fraction(100 * a, b))
+    while True:
+        start, p = rng.choice([20, 25, 40, 50, 80, 100, 200, 250, 400, 500]), rng.randint(1, 150)
+        if start * p % 100 == 0:
+            break
+    return (f"The population of a town grew from ${start}$ to ${start * (100 + p) // 100}$. By what percent did the "
+            "population increase?", str(p))
+
+
+_RATIO_ITEMS = (("boys", "girls", "students in the class"), ("red marbles", "blue marbles", "marbles in the jar"),
+                ("cats", "dogs", "animals at the shelter"), ("fiction books", "nonfiction books", "books on the shelf"))
+_GOODS = ("notebooks", "pencils", "apples", "tickets", "muffins", "stamps")
+
+
+def _ratio(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["parts", "unit_price", "rate", "proportion"])
+    if kind == "parts":
+        first, second, whole = rng.choice(_RATIO_ITEMS)
+        a, b, k = rng.randint(1, 9), rng.randint(1, 9), rng.randint(2, 12)
+        while a == b or math.gcd(a, b) != 1:  # a ratio in lowest terms, as a problem states it
+            b = rng.randint(1, 9)
+        return (f"The ratio of {first} to {second} is ${a}:{b}$. If there are ${(a + b) * k}$ {whole} in all, how many "
+                f"{second} are there?", str(b * k))
+    if kind == "unit_price":
+        item, unit = rng.choice(_GOODS), rng.randint(15, 300)
+        q1, q2 = rng.randint(2, 9), rng.randint(2, 15)
+        return (f"If {q1} {item} cost \\${_money(q1 * unit)}, how many dollars do {q2} {item} cost at the same price?",
+                _money(q2 * unit))
+    if kind == "rate":
+        speed, t1, t2 = rng.randint(20, 70), rng.randint(2, 6), rng.randint(2, 12)
+        return (f"A car travels ${speed * t1}$ miles in ${t1}$ hours. At this rate, how many miles will it travel in "
+                f"${t2}$ hours?", str(speed * t2))
+    a, b, m = rng.randint(1, 12), rng.randint(2, 12), rng.randint(2, 40)
+    q = Fraction(m * a, b)
+    return f"Solve for $x$: $\\frac{{x}}{{{m}}} = \\frac{{{a}}}{{{b}}}$.{_fraction_note(q)}", _frac(q)
+
+
+#: (larger unit, smaller unit, how many smaller in one larger, whether it measures length).
+_UNITS = (("feet", "inches", 12, True), ("yards", "feet", 3, True), ("yards", "inches", 36, True),
+          ("miles", "feet", 5280, True), ("meters", "centimeters", 100, True), ("kilometers", "meters", 1000, True),
+          ("hours", "minutes", 60, False), ("minutes", "seconds", 60, False), ("hours", "seconds", 3600, False),
+          ("days", "hours", 24, False), ("weeks", "days", 7, False), ("kilograms", "grams", 1000, False),
+          ("liters", "milliliters", 1000, False), ("pounds", "ounces", 16, False), ("gallons", "quarts", 4, False))
+
+
+def _units(rng: random.Random) -> tuple[str, str]:
+    big, small, factor, length = rng.choice(_UNITS)
+    kind = rng.choice(["down", "up", "area"] if length and factor <= 100 else ["down", "up"])
+    if kind == "area":
+        k = rng.randint(2, 12)
+        dim = rng.choice(["square", "cubic"]) if factor <= 12 else "square"
+        power = 2 if dim == "square" else 3
+        return f"How many {dim} {small} are in ${k}$ {dim} {big}?", str(k * factor**power)
+    while True:
+        n = Fraction(rng.randint(1, 40), rng.choice([1, 1, 2, 4]))
+        if (n * factor).denominator == 1:
+            break
+    if kind == "down":
+        return f"How many {small} are in ${_decimal(n)}$ {big}?", _decimal(n * factor)
+    return f"How many {big} are in ${n * factor}$ {small}?", _decimal(n)
+
+
+def _statistics(rng: random.Random) -> tuple[str, str]:
+    n = rng.randint(5, 9)
+    kind = rng.choice(["mean", "median", "missing"])
+    if kind == "missing":
+        m = rng.randint(10, 90)
+        given = [m + rng.randint(-20, 20) for _ in range(n - 1)]
+        return (f"The mean of {n} numbers is ${m}$. If {n - 1} of the numbers are ${', '.join(map(str, given))}$, "
+                "what is the remaining number?", str(m * n - sum(given)))
+    vals = [rng.randint(1, 99) for _ in range(n)]
+    listing = f"${', '.join(map(str, vals))}$"
+    if kind == "median":
+        s = sorted(vals)
+        med = Fraction(s[n // 2]) if n % 2 else Fraction(s[n // 2 - 1] + s[n // 2], 2)
+        return f"What is the median of the numbers {listing}?", _decimal(med)
+    mean = Fraction(sum(vals), n)
+    if mean.denominator == 1:
+        return f"What is the arithmetic mean of the numbers {listing}?", str(mean)
+    # half up, exactly (round() on a Fraction rounds half to even)
+    tenth = Fraction(math.floor(mean * 10 + Fraction(1, 2)), 10)
+    return (f"What is the arithmetic mean of the numbers {listing}? Express your answer as a decimal to the nearest "
+            "tenth.", _decimal(tenth))
+
+
+def _fraction_arithmetic(rng: random.Random) -> tuple[str, str]:
+    def draw_fraction() -> Fraction:
+        while True:
+            q = Fraction(rng.randint(1, 15), rng.randint(2, 16))
+            if q.denominator != 1:
+                return q
+
+    x, y, z = draw_fraction(), draw_fraction(), draw_fraction()
+    kind = rng.choice(["+", "-", "\\cdot", "\\div", "mixed"])
+    if kind == "mixed":
+        q, expr = x + y * z, f"{_frac(x)} + {_frac(y)} \\cdot {_frac(z)}"
+    else:
+        q = {"+": x + y, "-": x - y, "\\cdot": x * y, "\\div": x / y}[kind]
+        expr = f"{_frac(x)} {kind} {_frac(y)}"
+    return f"Find ${expr}$.{_fraction_note(q)}", _frac(q)
+
+
+def _radicals(rng: random.Random) -> tuple[str, str]:
+    free = [2, 3, 5, 6, 7, 10, 11, 13, 14, 15, 17, 19, 21, 22, 23]
+    kind = rng.choice(["simplify", "product", "rationalize", "sum"])
+    if kind == "simplify":
+        n = rng.randint(2, 12) ** 2 * rng.choice(free)
+        return f"Simplify $\\sqrt{{{n}}}$.", _surd(n)
+    if kind == "product":
+        a, b = rng.randint(2, 60), rng.randint(2, 60)
+        return f"Simplify $\\sqrt{{{a}}} \\cdot \\sqrt{{{b}}}$.", _surd(a * b)
+    if kind == "rationalize":
+        a, b = rng.randint(1, 20), rng.choice([n for n in range(2, 51) if math.isqrt(n) ** 2 != n])
+        k, m = _sqrt_parts(b)
+        # a / (k sqrt(m)) = a sqrt(m) / (k m)
+        return (f"Rationalize the denominator: $\\frac{{{a}}}{{\\sqrt{{{b}}}}}$. Express your answer in simplest form.",
+                _root(Fraction(a, k * m), m))
+    m, k1, k2 = rng.choice(free[:8]), rng.randint(2, 7), rng.randint(2, 7)
+    return f"Simplify $\\sqrt{{{k1 * k1 * m}}} + \\sqrt{{{k2 * k2 * m}}}$.", _root(k1 + k2, m)
+
+
+def _arithmetic(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["order", "squares", "near_hundred", "powers"])
+    if kind == "order":
+        a, b, c, d, t = rng.randint(1, 20), rng.randint(2, 12), rng.randint(2, 12), rng.randint(2, 9), rng.randint(1, 12)
+        return f"Compute: ${a} + {b} \\cdot {c} - {d * t} \\div {d}$.", str(a + b * c - t)
+    if kind == "squares":
+        a = rng.randint(20, 999)
+        b = a - rng.randint(1, 10)
+        return f"Compute ${a}^2 - {b}^2$ in your head.", str(a * a - b * b)
+    if kind == "near_hundred":
+        base = rng.choice([100, 1000])
+        d = rng.randint(1, 9)
+        return f"Compute ${base - d} \\times {base + d}$.", str(base * base - d * d)
+    a, b, e = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 4)
+    return f"What is the value of $({a} - {b})^{e} + {a}^{e} - {b}^{e}$?", str((a - b) ** e + a**e - b**e)
+
+
+# ---------------------------------------------------------------------------
+# Precalculus
+
+
+def _det(m: list[list[int]]) -> int:
+    if len(m) == 2:
+        return m[0][0] * m[1][1] - m[0][1] * m[1][0]
+    return sum((-1) ** j * m[0][j] * _det([row[:j] + row[j + 1:] for row in m[1:]]) for j in range(3))
+
+
+def _determinant(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["2x2", "3x3", "scaled"])
+    if kind == "scaled":
+        d, k = _nonzero(rng, -9, 9), rng.randint(2, 5)
+        given = _matrix([["a", "b"], ["c", "d"]], "vmatrix")
+        if rng.random() < 0.5:
+            asked, value = _matrix([[f"{k}a", f"{k}b"], [f"{k}c", f"{k}d"]], "vmatrix"), k * k * d
+        else:
+            asked, value = _matrix([["a", "b"], [f"{k}c", f"{k}d"]], "vmatrix"), k * d
+        return f"If ${given} = {d}$, then find ${asked}$.", str(value)
+    n = 2 if kind == "2x2" else 3
+    m = [[rng.randint(-7, 9) for _ in range(n)] for _ in range(n)]
+    return f"Compute ${_matrix(m, 'vmatrix')}$.", str(_det(m))
+
+
+def _vectors(rng: random.Random) -> tuple[str, str]:
+    dim = rng.choice([2, 3])
+    u, v = [rng.randint(-9, 9) for _ in range(dim)], [rng.randint(-9, 9) for _ in range(dim)]
+    kind = rng.choice(["dot", "norm", "combination", "orthogonal" if dim == 2 else "cross"])
+    if kind == "dot":
+        return f"Compute ${_column(u)} \\cdot {_column(v)}$.", str(sum(a * b for a, b in zip(u, v)))
+    if kind == "norm":
+        return f"Find $\\left\\| {_column(u)} \\right\\|$.", _surd(sum(a * a for a in u))
+    if kind == "cross":
+        cross = [u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0]]
+        return f"Find the cross product of ${_column(u)}$ and ${_column(v)}$.", _column(cross)
+    if kind == "orthogonal":
+        a1, a2, b2 = _nonzero(rng, -9, 9), rng.randint(-9, 9), _nonzero(rng, -9, 9)
+        q = Fraction(-a2 * b2, a1)
+        return (f"Find $k$ such that the vectors ${_column([a1, a2])}$ and ${_column(['k', b2])}$ are orthogonal."
+                f"{_fraction_note(q)}", _frac(q))
+    c1, c2 = _nonzero(rng, -4, 4), _nonzero(rng, -4, 4)
+    lead = {1: "", -1: "-"}.get(c1, str(c1))
+    expr = f"{lead}{_column(u)} {'-' if c2 < 0 else '+'} {'' if abs(c2) == 1 else abs(c2)}{_column(v)}"
+    return f"Compute ${expr}$.", _column([c1 * a + c2 * b for a, b in zip(u, v)])
+
+
+def _matrix_product(rng: random.Random) -> tuple[str, str]:
+    a = [[rng.randint(-5, 6) for _ in range(2)] for _ in range(2)]
+    kind = rng.choice(["matrix", "vector", "square"])
+    if kind == "vector":
+        v = [rng.randint(-6, 6) for _ in range(2)]
+        return f"Compute ${_matrix(a)} {_column(v)}$.", _column([a[i][0] * v[0] + a[i][1] * v[1] for i in range(2)])
+    b = a if kind == "square" else [[rng.randint(-5, 6) for _ in range(2)] for _ in range(2)]
+    prod = [[sum(a[i][k] * b[k][j] for k in range(2)) for j in range(2)] for i in range(2)]
+    if kind == "square":
+        return f"Let $\\mathbf{{A}} = {_matrix(a)}$. Compute $\\mathbf{{A}}^2$.", _matrix(prod)
+    return f"Compute ${_matrix(a)} {_matrix(b)}$.", _matrix(prod)
+
+
+def _polar(rng: random.Random) -> tuple[str, str]:
+    r, d = rng.randint(1, 10), rng.choice(ANGLES)
+    (c, cm), (s, sm) = _cos(d), _sin(d)
+    point = f"({_root(r * c, cm)}, {_root(r * s, sm)})"
+    theta = _pi(Fraction(d, 180))
+    if rng.random() < 0.5:
+        return (f"Convert the point $\\left( {r}, {theta} \\right)$ in polar coordinates to rectangular coordinates.",
+                point)
+    return (f"Convert the point ${point}$ in rectangular coordinates to polar coordinates. Enter your answer in the "
+            "form $(r,\\theta),$ where $r > 0$ and $0 \\le \\theta < 2 \\pi.$", f"\\left( {r}, {theta} \\right)")
+
+
+#: arcsin's and arctan's angles (degrees, in their principal ranges), arccos's.
+_ARC_ANGLES = {"arcsin": (-90, -60, -45, -30, 0, 30, 45, 60, 90), "arccos": (0, 30, 45, 60, 90, 120, 135, 150, 180),
+               "arctan": (-60, -45, -30, 0, 30, 45, 60)}
+
+
+def _trig(rng: random.Random) -> tuple[str, str]:
+    kind = rng.choice(["degrees", "degrees", "radians", "inverse"])
+    if kind == "inverse":
+        fn = rng.choice(["arcsin", "arccos", "arctan"])
+        d = rng.choice(_ARC_ANGLES[fn])
+        coef, m = {"arcsin": _sin, "arccos": _cos, "arctan": _tan}[fn](d)
+        arg = _root(coef, m)
+        shown = arg if arg.isdigit() else f"\\left( {arg} \\right)"
+        return f"Compute $\\{fn} {shown}.$ Express your answer in radians.", _pi(Fraction(d, 180))
+    fn = rng.choice(["sin", "cos", "tan"])
+    d = rng.choice(ANGLES)
+    if fn == "tan" and _cos(d)[0] == 0:
+        fn = "sin"
+    coef, m = {"sin": _sin, "cos": _cos, "tan": _tan}[fn](d)
+    if kind == "radians":
+        return f"Compute $\\{fn} {_pi(Fraction(d, 180))}$.", _root(coef, m)
+    shown = d + 360 * rng.choice([0, 0, 0, 1, 2, 5, -1])
+    angle = f"{shown}^\\circ" if shown >= 0 else f"({shown}^\\circ)"
+    return f"Compute $\\{fn} {angle}$.", _root(coef, m)
+
+
+# ---------------------------------------------------------------------------
+# the draw
+
+_OLD = math_problems.TEMPLATES
+
+#: template name -> draw; each returns (prompt, answer). The first 11 are ``math_problems``'s.
+TEMPLATES: dict[str, Draw] = {
+    **_OLD,
+    "absolute_value": _absolute_value, "vieta": _vieta, "line": _line, "distance_midpoint": _distance_midpoint,
+    "composition": _composition, "inverse": _inverse, "domain": _domain, "geometric_series": _geometric_series,
+    "logarithm": _logarithm, "rational_equation": _rational_equation,
+    "inequality": _inequality, "complex_numbers": _complex_numbers, "poly_remainder": _poly_remainder,
+    "floor_ceiling": _floor_ceiling,
+    "base_conversion": _base_conversion, "divisors": _divisors, "congruence": _congruence,
+    "repeating_decimal": _repeating_decimal,
+    "counting": _counting, "marbles": _marbles, "coins": _coins,
+    "polygon": _polygon, "circle": _circle, "solids": _solids, "triangle": _triangle,
+    "percent": _percent, "ratio": _ratio, "units": _units, "statistics": _statistics,
+    "fraction_arithmetic": _fraction_arithmetic, "radicals": _radicals, "arithmetic": _arithmetic,
+    "determinant": _determinant, "vectors": _vectors, "matrix_product": _matrix_product, "polar": _polar,
+    "trig": _trig,
+}
+
+#: template name -> MATH's subject (``Calculus`` for ``math_problems``'s two calculus templates, which MATH lacks).
+SUBJECTS: dict[str, str] = {
+    **dict.fromkeys(["quadratic", "system", "evaluate", "series", "absolute_value", "vieta", "line",
+                     "distance_midpoint", "composition", "inverse", "domain", "geometric_series", "logarithm",
+                     "rational_equation"], "Algebra"),
+    **dict.fromkeys(["inequality", "complex_numbers", "poly_remainder", "floor_ceiling"], "Intermediate Algebra"),
+    **dict.fromkeys(["remainder", "gcd_lcm", "base_conversion", "divisors", "congruence", "repeating_decimal"],
+                    "Number Theory"),
+    **dict.fromkeys(["dice", "counting", "marbles", "coins"], "Counting & Probability"),
+    **dict.fromkeys(["geometry", "polygon", "circle", "solids", "triangle"], "Geometry"),
+    **dict.fromkeys(["word", "percent", "ratio", "units", "statistics", "fraction_arithmetic", "radicals",
+                     "arithmetic"], "Prealgebra"),
+    **dict.fromkeys(["determinant", "vectors", "matrix_product", "polar", "trig"], "Precalculus"),
+    **dict.fromkeys(["derivative", "integral"], "Calculus"),
+}
+
+
+def draw(count: Optional[int] = None, seed: int = DEFAULT_SEED) -> list[tuple[str, str, str, str]]:
+    """``count`` (default ``DEFAULT_COUNT``) synthetic MATH-style problems, the templates in turn, integers from ``random.Random(seed)``.
+
+    Returns:
+        ``(id, template, prompt, answer)`` per problem: ``id`` is ``math_problems_v2:<template>:<index>``,
+        ``answer`` the computed answer as a string (LaTeX where it is an expression). Equal
+        prompts drawn twice are kept once (the first): templates with few distinct problems
+        (a regular polygon's angles, a word's arrangements) repeat, so fewer than ``count``
+        come back. ``data.prompts`` makes them records of source ``math_problems_v2``.
+
+    Raises:
+        ValueError: ``count`` < 1.
+    """
+    count = DEFAULT_COUNT if count is None else count
+    if count < 1:
+        raise ValueError(f"{SOURCE} count={count}: must be at least 1")
+    rng = random.Random(seed)
+    names = list(TEMPLATES)
+    out, seen = [], set()
+    for i in range(count):
+        name = names[i % len(names)]
+        prompt, answer = TEMPLATES[name](rng)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append((f"{SOURCE}:{name}:{i}", name, prompt, answer))
+    return out
