@@ -182,29 +182,35 @@ TEMPLATES: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 }
 
 
-def draw(count: Optional[int] = None, seed: int = DEFAULT_SEED) -> list[tuple[str, str, str, str]]:
+def draw(count: Optional[int] = None, seed: int = DEFAULT_SEED, *,
+         templates: Optional[dict[str, Callable[[random.Random], tuple[str, str]]]] = None,
+         source: str = SOURCE) -> list[tuple[str, str, str, str]]:
     """``count`` (default ``DEFAULT_COUNT``) synthetic MATH-style problems, the templates in turn, integers from ``random.Random(seed)``.
 
+    ``templates`` (default ``TEMPLATES``) and ``source`` let another source draw the same
+    way from its own templates (``math_problems_v2``).
+
     Returns:
-        ``(id, template, prompt, answer)`` per problem: ``id`` is ``math_problems:<template>:<index>``,
+        ``(id, template, prompt, answer)`` per problem: ``id`` is ``<source>:<template>:<index>``,
         ``answer`` the computed answer as a string (LaTeX where it is an expression). Equal
-        prompts drawn twice are kept once (the first), so a few fewer than ``count`` may come back.
-        ``data.prompts`` makes them records of source ``math_problems``.
+        prompts drawn twice are kept once (the first), so fewer than ``count`` may come back.
+        ``data.prompts`` makes them records of source ``source``.
 
     Raises:
         ValueError: ``count`` < 1.
     """
     count = DEFAULT_COUNT if count is None else count
     if count < 1:
-        raise ValueError(f"math_problems count={count}: must be at least 1")
+        raise ValueError(f"{source} count={count}: must be at least 1")
+    templates = TEMPLATES if templates is None else templates
     rng = random.Random(seed)
-    names = list(TEMPLATES)
+    names = list(templates)
     out, seen = [], set()
     for i in range(count):
         name = names[i % len(names)]
-        prompt, answer = TEMPLATES[name](rng)
+        prompt, answer = templates[name](rng)
         if prompt in seen:
             continue
         seen.add(prompt)
-        out.append((f"{SOURCE}:{name}:{i}", name, prompt, answer))
+        out.append((f"{source}:{name}:{i}", name, prompt, answer))
     return out

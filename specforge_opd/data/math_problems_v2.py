@@ -997,17 +997,4 @@ def draw(count: Optional[int] = None, seed: int = DEFAULT_SEED) -> list[tuple[st
     Raises:
         ValueError: ``count`` < 1.
     """
-    count = DEFAULT_COUNT if count is None else count
-    if count < 1:
-        raise ValueError(f"{SOURCE} count={count}: must be at least 1")
-    rng = random.Random(seed)
-    names = list(TEMPLATES)
-    out, seen = [], set()
-    for i in range(count):
-        name = names[i % len(names)]
-        prompt, answer = TEMPLATES[name](rng)
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        out.append((f"{SOURCE}:{name}:{i}", name, prompt, answer))
-    return out
+    return math_problems.draw(DEFAULT_COUNT if count is None else count, seed, templates=TEMPLATES, source=SOURCE)
