@@ -42,6 +42,11 @@ VARIANTS = {
     "verified_stream": ["training.accepted_stream=verified"],  # the authors' accepted stream (bonus slot too)
     "naive": ["training.loss=naive_target_assisted"],
     "all_forward": ["training.loss=all_forward"],
+    # the start drafter's own optimizer settings (constant lr 1e-3), which the fair baselines
+    # continue with, in place of the paper's lr 3e-4 cosine: the same step size on both sides
+    "eq1_full_start_lr": ["training.learning_rate=1e-3", "training.lr_scheduler=constant"],
+    "naive_start_lr": ["training.loss=naive_target_assisted", "training.learning_rate=1e-3",
+                       "training.lr_scheduler=constant"],
 }
 SOURCES = ("opd_pool", "fresh")
 
