@@ -325,7 +325,7 @@ def test_main_job_compares_against_the_fair_baseline(tmp_path, monkeypatch):
     assert rec["recipe"] == "start" and rec["steps"] == 9 and rec["selected_step"] == 3
 
 
-@pytest.mark.parametrize("name", ["opd_at_scale_l3", "opd_at_scale_b8"])
+@pytest.mark.parametrize("name", ["opd_at_scale", "opd_at_scale_l3", "opd_at_scale_b8"])
 def test_readme_opd_at_scale_table_is_the_committed_result(name):
     """Each README OPD-at-scale table is bench_opd_at_scale.py --render of its benchmarks/results/<name>.json."""
     import importlib.util
