@@ -7,7 +7,7 @@ differs in one thing:
 
 * ``data1x``, ``data2x``, ``data4x``: the first N samples of one shared responses + features
   step (``sft.train_samples``), N the smallest prefix whose response tokens reach 1x, 2x, 4x
-  the published drafter's (``--base-tokens``); the largest point takes every sample and is
+  the first published drafter's (``-b8``, ``--base-tokens``); the largest point takes every sample and is
   the config's own run (``scripts/train_sft.sh configs/small/sft_scaling.yaml``);
 * ``depth2``, ``depth3``: 2 and 3 drafter layers on the largest data (``target_layer_ids``
   unchanged).
@@ -47,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
-#: Response tokens the published drafter trained on (its 791 samples of configs/small/sft.yaml).
+#: Response tokens the first published drafter (-b8) trained on (its 791 samples of configs/small/sft.yaml).
 BASE_TOKENS = 90_000
 DEPTHS = {"depth2": 2, "depth3": 3}
 DATA = {"data1x": 1, "data2x": 2, "data4x": 4}

@@ -1,6 +1,6 @@
 """OPD rollout throughput against batch size: fixed length-bucketed batches (before) and one continuous batch (after).
 
-On the embedded SmolLM2 target with the published drafter (``--drafter``), the OPD prompt
+On the embedded SmolLM2 target with a published drafter (``--drafter``, default the 1-layer ``-b8``), the OPD prompt
 pool of ``--config`` (its rollout settings: max_new_tokens, teacher form, stored features,
 stop tokens), measured side by side in one run for each batch size:
 

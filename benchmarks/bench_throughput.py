@@ -4,7 +4,7 @@ Every embedded experiment is paid in target forwards. Measured side by side on t
 machine (run it alone), each "before" the way the pipeline ran before continuous batching:
 
 - ``rollout``: the OPD rollout of ``--rollout-prompts`` prompts of ``configs/tiny/opd.yaml``'s
-  pool with the published drafter: before = length-bucketed batches of 8 (the old
+  pool with the 1-layer published ``-b8`` drafter: before = length-bucketed batches of 8 (the old
   ``rollout.batch_size``), each run until its last row ends; after = one continuous batch of
   ``--rollout-batch`` rows. ``rollout_of_compute_bound``: after's tokens/s over the bound of the
   run's target + drafter FLOPs per token at one 2048^3 matmul's rate (``bench_rollout.py``).
