@@ -510,6 +510,12 @@ OFFLINE_SOURCES = tuple(_OFFLINE)
 _TREE_SOURCES = {"python_functions_more": MORE_PYTHON_TREES}
 
 
+def _pyfunc_stamp(versions: str) -> str:
+    """The cache stamp of a source of ``parse_python_functions`` records: the parsed trees'
+    versions and every setting that selects and shapes the records."""
+    return f"{versions}|{PYFUNC_MIN_DOC_CHARS}|{PYFUNC_MAX_DOC_CHARS}|{sorted(PYFUNC_SKIP_DIRS)}|{HUMANEVAL_INSTRUCTION}"
+
+
 def _cached(name: str, src: Path, parse, cache: Optional[str | os.PathLike],
             stamp: Optional[str] = None) -> list[PromptRecord]:
     """Parse ``src`` once; later calls read the JSONL cache.
@@ -686,7 +692,7 @@ def load_source(
                 # a source tree's parser records the installed version in each record
                 parse = functools.partial(parse, version=version)
                 # the cache is keyed by the version and by what selects and shapes the records
-                stamp = f"{version}|{PYFUNC_MIN_DOC_CHARS}|{PYFUNC_MAX_DOC_CHARS}|{sorted(PYFUNC_SKIP_DIRS)}|{HUMANEVAL_INSTRUCTION}"
+                stamp = _pyfunc_stamp(version)
         except AssetError as e:
             raise PromptsError(str(e)) from None
         return _cached(name, src, parse, cache, stamp)
@@ -696,8 +702,7 @@ def load_source(
         except AssetError as e:
             raise PromptsError(str(e)) from None
         # python_functions's stamp with every tree's version in place of sympy's
-        versions = ",".join(f"{root.name}={version}" for root, version in trees)
-        stamp = f"{versions}|{PYFUNC_MIN_DOC_CHARS}|{PYFUNC_MAX_DOC_CHARS}|{sorted(PYFUNC_SKIP_DIRS)}|{HUMANEVAL_INSTRUCTION}"
+        stamp = _pyfunc_stamp(",".join(f"{root.name}={version}" for root, version in trees))
         return _cached(name, trees[0][0], lambda _src: [
             r for root, version in trees for r in parse_python_functions(root, version, source=name)], cache, stamp)
     if name == math_problems.SOURCE:
