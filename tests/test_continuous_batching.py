@@ -121,6 +121,18 @@ def test_plain_decoding_rows_equal_each_prompt_alone(target):
     assert got == ref
 
 
+def test_plain_decoding_tokens_do_not_depend_on_the_compaction_threshold(target):
+    """The threshold only decides when holes are squeezed out (0: never)."""
+    prompts = _prompts([5, 3, 40, 9, 2, 30, 6, 11, 4, 22, 35])
+    runs = {}
+    for f in (0.0, 0.95):
+        st: dict = {}
+        runs[f] = (autoregressive_generate(target, prompts, 40, [STOP, 7, 11], batch_size=3, stats=st, compact_below=f),
+                   st["compactions"])
+    assert runs[0.95][0] == runs[0.0][0]
+    assert runs[0.0][1] == 0 and runs[0.95][1] > 0
+
+
 def test_streamed_records_reach_on_record_and_the_result_is_empty(target, drafter):
     prompts = _prompts([5, 9, 3, 7])
     seen = []

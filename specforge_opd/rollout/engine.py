@@ -28,6 +28,8 @@ from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import (
+    COMPACT_BELOW,
+    COMPACT_MIN_SLOTS,
     CachedDFlashDrafter,
     Draft,
     DraftRequest,
@@ -238,8 +240,8 @@ class SpeculativeEngine:
         self.skipped: list[str] = []
         #: Squeeze cache holes once the cache has ``compact_min_slots`` slots and its longest row
         #: holds fewer than ``compact_below`` of them (holes cost attention time, squeezing a copy).
-        self.compact_min_slots = 64
-        self.compact_below = 0.5
+        self.compact_min_slots = COMPACT_MIN_SLOTS
+        self.compact_below = COMPACT_BELOW
         #: Counters of the last ``generate`` call (verify steps, generated tokens, seconds per phase).
         self.stats: dict = {}
 
@@ -434,6 +436,7 @@ def autoregressive_generate(
     stats: Optional[dict] = None,
     prefill_chunk: int = 256,
     batch_size: Optional[int] = None,
+    compact_below: float = COMPACT_BELOW,
 ) -> list[list[int]]:
     """Token-by-token decoding: the speculative step with a block of one slot and nothing drafted.
 
@@ -450,7 +453,9 @@ def autoregressive_generate(
         at the first stop token), in input order.
     ``stats``, when given, receives ``t_prefill`` (admissions included), ``t_decode`` (seconds),
     ``decode_steps`` (batch forwards after the prefill), ``decode_tokens`` (tokens those
-    forwards produced, rows summed) and ``admissions`` (rows refilled).
+    forwards produced, rows summed), ``admissions`` (rows refilled) and ``compactions``.
+    ``compact_below``: ``InProcessTarget``'s compaction threshold (holes cost attention,
+    squeezing them a copy of the cache; the tokens do not depend on it).
 
     Raises:
         RolloutError: an empty prompt.
@@ -464,11 +469,12 @@ def autoregressive_generate(
             raise RolloutError(f"prompt {sid!r} is empty: every prompt needs at least one token")
     if max_new_tokens <= 0:
         if stats is not None:
-            stats.update(t_prefill=0.0, t_decode=0.0, decode_steps=0, decode_tokens=0, admissions=0)
+            stats.update(t_prefill=0.0, t_decode=0.0, decode_steps=0, decode_tokens=0, admissions=0, compactions=0)
         return [[] for _ in range(B)]
     cfg = StepConfig(block_size=1, max_new_tokens=int(max_new_tokens), stop_token_ids=frozenset(int(t) for t in stop_token_ids),
                      temperature=temperature, top_p=top_p, top_k=top_k, teacher="none", seed=seed)
-    target = InProcessTarget(target_model, (), slack=max_new_tokens + 2, prefill_chunk=prefill_chunk)
+    target = InProcessTarget(target_model, (), slack=max_new_tokens + 2, prefill_chunk=prefill_chunk,
+                             compact_below=compact_below)
     st: dict = {}
     order = queue_order([len(p) for p in prompts], batch_size)
     outs: list = [None] * B
@@ -480,7 +486,8 @@ def autoregressive_generate(
                          stats=st, batch_size=batch_size, on_record=emit))
     if stats is not None:
         stats.update(t_prefill=st["t_prefill"], t_decode=st["t_draft"] + st["t_verify"] + st["t_other"],
-                     decode_steps=st["batch_steps"], decode_tokens=st["verify_steps"], admissions=st["admissions"])
+                     decode_steps=st["batch_steps"], decode_tokens=st["verify_steps"], admissions=st["admissions"],
+                     compactions=target.compactions)
     return outs
 
 

@@ -619,6 +619,13 @@ def run_inline(coro):
 # the in-process target
 
 
+#: Default compaction thresholds of ``InProcessTarget`` (and so of every in-process rollout and
+#: plain generation): squeeze once the cache holds at least ``COMPACT_MIN_SLOTS`` slots and its
+#: longest row's valid slots are below ``COMPACT_BELOW`` of them.
+COMPACT_MIN_SLOTS = 64
+COMPACT_BELOW = 0.5
+
+
 class InProcessTarget:
     """An HF target in this process on ``decode.TargetRunner``'s preallocated KV cache, for B rows at once.
 
@@ -646,7 +653,7 @@ class InProcessTarget:
     """
 
     def __init__(self, model, layer_ids: Sequence[int] = (), *, slack: int = 0, prefill_chunk: int = 256,
-                 compact_min_slots: int = 64, compact_below: float = 0.5):
+                 compact_min_slots: int = COMPACT_MIN_SLOTS, compact_below: float = COMPACT_BELOW):
         self.model = model
         self.runner = TargetRunner.of(model)
         self.device = next(model.parameters()).device
