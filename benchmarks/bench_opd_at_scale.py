@@ -248,7 +248,9 @@ def main() -> int:
     for pool in args.pools:
         for seed in args.seeds:
             replay_sets(args, drafters, pool, seed)
-    drafters["start"]["note"] = "val_tau/pool_tau of the last (pool, seed) replayed"
+            # each (pool, seed) has its own validation prompts: the start keeps one pair per run it is compared with
+            st = drafters["start"]
+            st.setdefault("sets", {})[f"p{pool} s{seed}"] = {"val_tau": st.pop("val_tau"), "pool_tau": st.pop("pool_tau")}
     result = evaluate_all(args, drafters, out)
     table = summarize(result, drafters, args)
     if args.json and Path(args.json).is_file():
@@ -435,7 +437,7 @@ def summarize(result: dict, drafters: dict[str, dict], args) -> dict:
         rows.append({"drafter": n, "kind": d["kind"], "select": d["select"], "pool": d.get("pool"), "seed": d.get("seed"),
                      "tau": taus, "mean_tau": sum(taus.values()) / len(taus), "ci95": [lo, hi],
                      "drafter_flops": d.get("drafter_flops"), "val_tau": d.get("val_tau"), "pool_tau": d.get("pool_tau"),
-                     "path": d["path"]})
+                     "path": d["path"], **({"sets": d["sets"]} if d.get("sets") else {})})
     by = {r["drafter"]: r for r in rows}
     ratios = []
     for r in rows:
@@ -504,7 +506,9 @@ def merge(old: dict, new: dict) -> dict:
     kept = [r for r in old["rows"] if r["kind"] != "start" and _pool_seed(r) not in ran]
     names = {r["drafter"] for r in kept}
     out = dict(new)
-    out["rows"] = new["rows"] + kept
+    # the start's validation and pool tau per (pool, seed): this run's, and the committed ones of other runs
+    sets = {**(start(old).get("sets") or {}), **(start(new).get("sets") or {})}
+    out["rows"] = [dict(r, sets=sets) if r["kind"] == "start" and sets else r for r in new["rows"]] + kept
     out["ratios"] = new["ratios"] + [e for e in old["ratios"] if e["drafter"] in names]
     out["merged_from"] = sorted({f"p{p} s{s}" for p, s in (_pool_seed(r) for r in kept)})
     machines = old.get("machines", [old.get("machine")]) + [new.get("machine")]
@@ -614,7 +618,14 @@ def render(table: dict) -> str:
     f = lambda x, fmt="{:.3f}": "-" if x is None else fmt.format(x)  # noqa: E731
     # by pool, then seed (a merge puts the rows it ran first); the start first, run order kept within a (pool, seed)
     place = lambda r: (r["kind"] != "start", r.get("pool") or 0, r.get("seed") or 0)  # noqa: E731
+    shown = []
     for r in sorted(table["rows"], key=place):
+        if r.get("sets"):  # one start row per (pool, seed): each run's validation prompts are its own
+            order = sorted(r["sets"], key=lambda k: tuple(int(x[1:]) for x in k.split()))
+            shown += [dict(r, drafter=f"start (val, pool: {k})", **r["sets"][k]) for k in order]
+        else:
+            shown.append(r)
+    for r in shown:
         lines.append(f"| {r['drafter']} | " + " | ".join(f"{r['tau'][d]:.3f}" for d in ds)
                      + f" | **{r['mean_tau']:.3f}** [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | {f(r['val_tau'])} | "
                      f"{f(r['pool_tau'])} | {f(r['drafter_flops'], '{:.2e}')} |")

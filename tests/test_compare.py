@@ -395,6 +395,23 @@ def test_opd_at_scale_merges_seeds_and_reports_the_lowest_ratio():
     assert bench.across_seeds(both)[0]["drafter"] == "OPD naive best-val"
 
 
+def test_opd_at_scale_start_keeps_the_validation_tau_of_each_pool():
+    """Each (pool, seed) has its own validation prompts: a merge keeps the start's tau on every run's sets, and
+    the table shows the start once per run, so no row is compared against another run's validation prompts."""
+    bench = _bench_opd_at_scale()
+    old, new = _scale_table(0, 1.3, 1.2), _scale_table(0, 1.3, 1.2)
+    for r in new["rows"][1:]:
+        r["pool"] = 1024
+    old["rows"][0]["sets"] = {"p192 s0": {"val_tau": 1.527, "pool_tau": 1.634}}
+    new["rows"][0]["sets"] = {"p1024 s0": {"val_tau": 1.535, "pool_tau": 1.634}}
+    merged = bench.merge(old, new)
+    assert merged["rows"][0]["sets"] == {"p192 s0": {"val_tau": 1.527, "pool_tau": 1.634},
+                                         "p1024 s0": {"val_tau": 1.535, "pool_tau": 1.634}}
+    lines = [x for x in bench.render(merged).splitlines() if x.startswith("| start")]
+    assert [x.split(" | ")[0] for x in lines] == ["| start (val, pool: p192 s0)", "| start (val, pool: p1024 s0)"]
+    assert "| 1.527 | 1.634 |" in lines[0] and "| 1.535 | 1.634 |" in lines[1]
+
+
 def test_opd_at_scale_scale_curve_fits_gain_against_log_pool(tmp_path):
     """The scale curve averages each pool's seeds, fits the gain linearly in log10(pool), extrapolates to 10x the
     largest pool, and is rendered and plotted only for drafters measured at two pools or more."""
