@@ -29,7 +29,6 @@ from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord
 from specforge_opd.rollout.step import (
     COMPACT_BELOW,
-    COMPACT_BELOW_PLAIN,
     COMPACT_MIN_SLOTS,
     CachedDFlashDrafter,
     Draft,
@@ -437,7 +436,7 @@ def autoregressive_generate(
     stats: Optional[dict] = None,
     prefill_chunk: int = 256,
     batch_size: Optional[int] = None,
-    compact_below: float = COMPACT_BELOW_PLAIN,
+    compact_below: float = COMPACT_BELOW,
 ) -> list[list[int]]:
     """Token-by-token decoding: the speculative step with a block of one slot and nothing drafted.
 
