@@ -62,28 +62,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from bench_rollout import same_records
+    from bench_throughput import rollout_setup, sft_pool_prompts
 
     from specforge_opd.config import load_config
-    from specforge_opd.data.chat import render_prompt
-    from specforge_opd.data.prompts import tokenize_prompts, training_pool
-    from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
+    from specforge_opd.models.drafter import load_drafter
     from specforge_opd.models.published import EMBEDDED_DRAFTER
     from specforge_opd.models.target import load_target
     from specforge_opd.precision import machine_info
-    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate
+    from specforge_opd.rollout.engine import autoregressive_generate
     from specforge_opd.rollout.records import tau_of
-    from specforge_opd.stages.opd import _pool
 
     res: dict = {"machine": machine_info(), "command": sys.argv, "alone": "run with nothing else heavy on the machine",
                  "thresholds": args.thresholds}
 
     # -- generation: the small SFT config's pool
-    scfg = load_config(ROOT / "configs/small/sft.yaml", [])
-    bundle = load_target(scfg.target)
+    bundle = load_target(load_config(ROOT / "configs/small/sft.yaml", []).target)
     tok, model = bundle.tokenizer, bundle.model
-    recs = training_pool(scfg.data, tokenizer=tok)[: args.gen_prompts]
-    tokenized, _ = tokenize_prompts(recs, tok, scfg)
-    gp, gid = [p for _, p in tokenized], [s for s, _ in tokenized]
+    gp, gid = sft_pool_prompts(tok, args.gen_prompts)
     autoregressive_generate(model, gp[:2], 8, bundle.stop_token_ids)  # warm-up
     rows, first = [], None
     for f in args.thresholds:
@@ -103,14 +98,7 @@ def main() -> None:
     # -- rollout: the small OPD config's pool with the shipped drafter
     cfg = load_config(ROOT / "configs/small/opd.yaml", [])
     drafter = load_drafter(f"published:{EMBEDDED_DRAFTER}", target_config=model.config).eval()
-    pool, _ = _pool(cfg, tokenizer=tok)
-    pool = pool[: args.rollout_prompts]
-    prompts = [tok(render_prompt(tok, p.chat_messages(), thinking=False), add_special_tokens=False)["input_ids"] for p in pool]
-    ids = [str(p.id) for p in pool]
-    engine = SpeculativeEngine(model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids,
-                               mask_token_id=drafter_mask_token_id(drafter), max_context=cfg.target.max_context,
-                               too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk)
-    engine.generate(prompts[:2], ids[:2])  # warm-up
+    engine, prompts, ids = rollout_setup(cfg, bundle, drafter, args.rollout_prompts)
     rows, first = [], None
     for f in args.thresholds:
         engine.compact_below = f

@@ -37,6 +37,36 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+def sft_pool_prompts(tok, n: int) -> tuple[list, list]:
+    """The first ``n`` prompts of ``configs/small/sft.yaml``'s pool, tokenized as the SFT stage does: (ids, sample ids)."""
+    from specforge_opd.config import load_config
+    from specforge_opd.data.prompts import tokenize_prompts, training_pool
+
+    scfg = load_config(ROOT / "configs/small/sft.yaml", [])
+    tokenized, _ = tokenize_prompts(training_pool(scfg.data, tokenizer=tok)[:n], tok, scfg)
+    return [p for _, p in tokenized], [s for s, _ in tokenized]
+
+
+def rollout_setup(cfg, bundle, drafter, n: int):
+    """A ``SpeculativeEngine`` for OPD config ``cfg`` with ``drafter``, warmed up, and the first ``n`` prompts of its
+    pool rendered with the chat template: (engine, prompt ids, sample ids)."""
+    from specforge_opd.data.chat import render_prompt
+    from specforge_opd.models.drafter import drafter_mask_token_id
+    from specforge_opd.rollout.engine import SpeculativeEngine
+    from specforge_opd.stages.opd import _pool
+
+    tok = bundle.tokenizer
+    pool, _ = _pool(cfg, tokenizer=tok)
+    pool = pool[:n]
+    prompts = [tok(render_prompt(tok, p.chat_messages(), thinking=False), add_special_tokens=False)["input_ids"] for p in pool]
+    ids = [str(p.id) for p in pool]
+    engine = SpeculativeEngine(bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids,
+                               mask_token_id=drafter_mask_token_id(drafter), max_context=cfg.target.max_context,
+                               too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk)
+    engine.generate(prompts[:2], ids[:2])  # warm-up
+    return engine, prompts, ids
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollout-prompts", type=int, default=48)
@@ -54,17 +84,14 @@ def main() -> None:
     from bench_rollout import matmul_gflops, rollout_flops, same_records
 
     from specforge_opd.config import load_config
-    from specforge_opd.data.chat import render_prompt
-    from specforge_opd.data.prompts import tokenize_prompts, training_pool
     from specforge_opd.eval.flops import capture_target_flops
     from specforge_opd.models.adapter import extract_context_feature
-    from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
+    from specforge_opd.models.drafter import load_drafter
     from specforge_opd.models.target import load_target
     from specforge_opd.precision import machine_info
     from specforge_opd.rollout.decode import TargetRunner, capture
-    from specforge_opd.rollout.engine import SpeculativeEngine, autoregressive_generate, length_batches
+    from specforge_opd.rollout.engine import autoregressive_generate, length_batches
     from specforge_opd.rollout.records import tau_of
-    from specforge_opd.stages.opd import _pool
     from specforge_opd.stages.sft_features import CAPTURE_BATCH
 
     res: dict = {"machine": machine_info(), "command": sys.argv, "alone": "run with nothing else heavy on the machine"}
@@ -76,14 +103,7 @@ def main() -> None:
     bundle = load_target(cfg.target)
     tok, model = bundle.tokenizer, bundle.model
     drafter = load_drafter("published:smollm2-135m-instruct-dflash-b8", target_config=model.config).eval()
-    pool, _ = _pool(cfg, tokenizer=tok)
-    pool = pool[: args.rollout_prompts]
-    prompts = [tok(render_prompt(tok, p.chat_messages(), thinking=False), add_special_tokens=False)["input_ids"] for p in pool]
-    ids = [str(p.id) for p in pool]
-    engine = SpeculativeEngine(model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids,
-                               mask_token_id=drafter_mask_token_id(drafter), max_context=cfg.target.max_context,
-                               too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk)
-    engine.generate(prompts[:2], ids[:2])  # warm-up
+    engine, prompts, ids = rollout_setup(cfg, bundle, drafter, args.rollout_prompts)
     t = time.perf_counter()
     by_id = {}
     for idx in length_batches([len(p) for p in prompts], 8):
@@ -103,11 +123,7 @@ def main() -> None:
     print(json.dumps(res["rollout"]), flush=True)
 
     # -- generation: the small SFT config's pool
-    scfg = load_config(ROOT / "configs/small/sft.yaml", [])
-    recs = training_pool(scfg.data, tokenizer=tok)[: args.gen_prompts]
-    tokenized, _ = tokenize_prompts(recs, tok, scfg)
-    gp = [p for _, p in tokenized]
-    gid = [s for s, _ in tokenized]
+    gp, gid = sft_pool_prompts(tok, args.gen_prompts)
     B, N = args.gen_batch, args.gen_tokens
     stops = bundle.stop_token_ids
     t = time.perf_counter()
