@@ -340,4 +340,5 @@ def test_zero_new_tokens_returns_empty_rows_and_fills_stats():
     model = make_tiny_target()
     stats = {}
     assert autoregressive_generate(model, [[5, 6], [7]], 0, [], stats=stats) == [[], []]
-    assert stats == {"t_prefill": 0.0, "t_decode": 0.0, "decode_steps": 0, "decode_tokens": 0, "admissions": 0}
+    assert stats == {"t_prefill": 0.0, "t_decode": 0.0, "decode_steps": 0, "decode_tokens": 0, "admissions": 0,
+                     "compactions": 0}
