@@ -23,7 +23,7 @@ a run, so the default order interleaves the thresholds and repeats the two that 
 holds each threshold's mean tokens/s over its rows. Run it alone: two processes with 2 OpenMP
 threads each slow a small matmul about 20x on a 2-core machine.
 
-    .venv/bin/python benchmarks/bench_compaction.py [--thresholds 0.5 0.7 0.85 0.95]
+    .venv/bin/python benchmarks/bench_compaction.py [--thresholds 0.95 0.5 0.85 0.7 0.95 0.5]
         [--json benchmarks/results/bench_compaction.json]
 """
 

@@ -312,7 +312,7 @@ class SpeculativeEngine:
             ``rollout.store_features`` is off) and the ``rollout.teacher`` form's tensors.
             ``self.stats`` then holds ``verify_steps``, ``batch_steps``, ``admissions``,
             ``completion_tokens``, ``t_prefill``, ``t_draft``, ``t_verify``, ``t_other``,
-            ``seconds`` and, when the cache was squeezed, ``compactions``.
+            ``seconds`` and ``compactions`` (cache squeezes).
         Raises:
             RolloutError: an empty prompt, or a prompt over the context limit with ``too_long=error``.
         """
@@ -355,8 +355,7 @@ class SpeculativeEngine:
                                  on_record=lambda j, rec: emit(order[j], rec)))
         finally:
             progress.close()
-        if target.compactions:
-            self.stats["compactions"] = target.compactions
+        self.stats["compactions"] = target.compactions
         self.stats["seconds"] = time.perf_counter() - t0
         return [] if on_record is not None else out
 

@@ -690,8 +690,9 @@ class InProcessTarget:
 
     async def verify(self, tokens: list, blocks: torch.Tensor, anchors: torch.Tensor) -> Verified:
         S0 = self.valid.shape[1]
-        # squeezing shortens the cache to its longest row's valid slots: worth a copy only when that
-        # is well below the slots there are (rows of mixed lengths keep a low valid fraction for good)
+        # squeezing shortens the cache to its longest row's valid slots, never below: so the test is on
+        # that row, not on the valid fraction (rows of mixed lengths keep a low fraction for good), and
+        # a squeeze leaves nothing to squeeze until holes build up in the longest row again
         if S0 >= self.compact_min_slots:
             width = int(self.valid.sum(1).max())
             if width < self.compact_below * S0:
