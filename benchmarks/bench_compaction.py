@@ -108,7 +108,7 @@ def main() -> None:
         first = recs if first is None else first
         toks = sum(r.completion_tokens for r in recs)
         rows.append({"compact_below": f, "tok_s": toks / s, "seconds": s, "tokens": toks, "tau": tau_of(recs),
-                     "compactions": engine.stats.get("compactions", 0), "records_equal_first": same_records(recs, first)})
+                     "compactions": engine.stats["compactions"], "records_equal_first": same_records(recs, first)})
         print(json.dumps(rows[-1]), flush=True)
     res["rollout"] = {"prompts": len(prompts), "drafter": EMBEDDED_DRAFTER, "batch": cfg.rollout.batch_size,
                       "max_new_tokens": cfg.rollout.max_new_tokens, "teacher": cfg.rollout.teacher, "rows": rows,
