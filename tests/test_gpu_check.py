@@ -13,6 +13,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
+def test_agreed_prefix():
+    import gpu_check
+
+    assert gpu_check._agreed_prefix([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6, 7]]) == (0.5 + 1.0) / 2
+
+
 def test_merge_marks_timeouts_and_keeps_partial_sections(tmp_path):
     import gpu_check
 
@@ -41,5 +47,7 @@ def test_gpu_check_cpu_dry_form(tmp_path):
     assert s["trainer"]["shapes"]["blocks"] > s["trainer"]["shapes"]["max_blocks_per_forward"]  # replayed in groups
     for k in ("specforge_sft", "opd_token", "opd_topk", "opd_full", "recompute_full", "recompute_topk"):
         assert "error" not in res[k], res[k]
-    assert [r["batch"] for r in s["rollout"]["rows"]] == [1, 2] and all(r["greedy_outputs_equal"] for r in s["rollout"]["rows"])
+    rows = s["rollout"]["rows"]
+    assert [(r["batch"], r["pass"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(r["greedy_outputs_equal"] and r["greedy_agreed_prefix_frac"] == 1.0 for r in rows)
     assert d["meta"]["cpu"] is True
