@@ -135,6 +135,16 @@ def section_env(args, out: Section) -> None:
         raise SystemExit(f"pydantic/specforge were not imported from the carried wheels in {site}")
 
 
+def _dynamo_stats():
+    """torch.compile's counters so far (graphs compiled, recompiles, graph breaks), or None where unavailable."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return {k: {str(kk): vv for kk, vv in v.items()} for k, v in counters.items() if k in ("stats", "recompiles", "graph_break", "frames")}
+    except Exception:  # a private API: its absence must not fail the check
+        return None
+
+
 def _tiny_models(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -330,22 +340,33 @@ def section_trainer(args, out: Section) -> None:
         plan = plan_slots(rec.accepted.cpu(), bs)
         coef = slot_coefficients(plan, plan.n_acc(), plan.w_rej())
 
+        group_s: list = []  # the first call's seconds per replay group (each group shape may compile)
+
         def opd_step():
+            t_g = time.perf_counter()
             for loss, _, _ in sequence_group_losses(drafter, embed, head.weight, rec, plan, coef, mask_token_id=mask_id,
                                                     attention_backend=sh["backend"], chunk_slots=1024, max_blocks_per_forward=args.max_blocks):
                 loss.backward()
+                if not first:
+                    _sync(device)
+                    group_s.append(round(time.perf_counter() - t_g, 2))
+                    _log(f"opd_{form}: first call, group {len(group_s)} done after {group_s[-1]} s")
+                    results[f"opd_{form}"] = {"first_call_groups_s": group_s, "dynamo": _dynamo_stats()}
+                    out.put("results", results)
+                    t_g = time.perf_counter()
             drafter.zero_grad(set_to_none=True)
 
         def opd_step_autocast():
             with autocast:
                 opd_step()
 
+        first: dict = {}
         try:
             _peak_reset(device)
             _log(f"opd_{form}: first call (compiles)")
-            first = {}
             s = _timed(opd_step_autocast, device, sh["reps"], first)
-            row = {"positions_per_s": M * bs / s, "step_s": s, "positions": M * bs, "peak_gib": _peak_gib(device)} | first
+            row = {"positions_per_s": M * bs / s, "step_s": s, "positions": M * bs, "peak_gib": _peak_gib(device),
+                   "first_call_groups_s": group_s, "dynamo": _dynamo_stats()} | first
             if "positions_per_s" in results.get("specforge_sft", {}):
                 row["ratio_vs_specforge"] = row["positions_per_s"] / results["specforge_sft"]["positions_per_s"]
         except Exception as e:
@@ -497,6 +518,12 @@ def main(argv=None) -> int:
         args.max_blocks = 16 if args.cpu else 512
     if args.cpu:
         torch.set_num_threads(1)
+    if args.section == "trainer":
+        # which guard failed at each recompile goes to the section's log
+        try:
+            torch._logging.set_logs(recompiles=True)
+        except Exception:
+            pass
     out = Section(args.out, args.section)
     try:
         SECTIONS[args.section](args, out)
