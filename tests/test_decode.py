@@ -342,3 +342,18 @@ def test_zero_new_tokens_returns_empty_rows_and_fills_stats():
     assert autoregressive_generate(model, [[5, 6], [7]], 0, [], stats=stats) == [[], []]
     assert stats == {"t_prefill": 0.0, "t_decode": 0.0, "decode_steps": 0, "decode_tokens": 0, "admissions": 0,
                      "compactions": 0}
+
+
+def test_logits_of_a_strided_view_are_one_gemm_with_the_same_values():
+    """The drafter reads logits of slots 1..bs-1 (a strided view): one 2-D GEMM over all rows, equal to the lm_head's own."""
+    runner = TargetRunner(_qwen3())
+    hidden = torch.randn(3, 8, 64)
+    view = hidden[:, 1:]
+    assert not view.is_contiguous()
+    out = runner.logits(view)
+    assert out.shape == (3, 7, 97)
+    assert torch.equal(out, runner.lm_head(view.contiguous()))
+    calls, head = [], runner.lm_head
+    runner.lm_head = lambda x: calls.append(x.dim()) or head(x)
+    runner.logits(view)
+    assert calls == [2]  # CUDA's matmul would batch a 3-D strided input row by row

@@ -375,8 +375,15 @@ class TargetRunner:
         return KVCache(self.num_layers, batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The lm_head over final-norm hidden states ``[..., H]``; returns ``[..., V]`` in the target's dtype."""
-        return self.lm_head(hidden.to(self.dtype))
+        """The lm_head over final-norm hidden states ``[..., H]``; returns ``[..., V]`` in the target's dtype.
+
+        One 2-D GEMM over all rows: given a strided view such as the drafter's slots 1..bs-1
+        (``out[:, 1:]``), CUDA's matmul runs a batched GEMM that reads the [V, H] weight once
+        per batch row (measured on an H200 at batch 8: 2.4 ms a draft step, a quarter of the
+        step). The CPU's matmul already copies and runs one GEMM: the values are the same.
+        """
+        h = hidden.to(self.dtype)
+        return self.lm_head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache, layer_ids=None):
