@@ -10,7 +10,8 @@
 # no pydantic, no SpecForge, no network. The wheels in gpu_wheels/ (scripts/fetch_gpu_wheels.sh
 # fills it; pydantic + pydantic-core for cp312 and cp311, SpecForge with no dependencies) are
 # unpacked into a temporary site directory that goes first on PYTHONPATH; nothing is installed
-# into the machine's Python.
+# into the machine's Python. The check builds random models: where the copy of the tree is size-
+# limited, the published drafters' model.safetensors (46 MB of the tree's 75) can stay behind.
 #
 # Sections, each in its own process under its own timeout (benchmarks/gpu_check.py):
 # env, equality (tiny model, CPU against GPU), trainer (Qwen3-8B drafter shapes), rollout.
