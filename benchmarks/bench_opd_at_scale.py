@@ -16,6 +16,14 @@ Per pool size (``--pools``) and seed (``--seeds``):
 Every training run resumes when the command is run again (kill it at any point); a
 finished one is reused. ``--phase train`` only trains, ``--phase eval`` only measures.
 
+Every row of ``--json`` keeps its per-prompt counts (tokens and verify steps of each prompt),
+so a later session compares new drafters with rows whose weights it no longer has, paired on
+the same prompts, and ``--match-from`` trains the fair baselines of an OPD run that is only
+recorded there (its FLOPs and refresh count), without training it again:
+
+    .venv/bin/python benchmarks/bench_opd_at_scale.py --pools 1024 --seeds 1 --variants naive \
+        --match naive --match-from benchmarks/results/opd_at_scale.json [--phase train|eval --json ...]
+
     .venv/bin/python benchmarks/bench_opd_at_scale.py --pools 192 --seeds 0 \\
         [--variants eq1_full naive ...] [--json benchmarks/results/opd_at_scale.json]
 
@@ -83,18 +91,51 @@ def train(args, pool: int, seed: int) -> dict[str, dict]:
     rows: dict[str, dict] = {}
     for v in args.variants:
         run = base / f"{v}-s{seed}"
-        if args.phase != "eval":  # a finished run is only read back
+        # the baselines' match may be a run recorded in --match-from and no longer on disk: it is not trained again
+        recorded = bool(args.match_from) and v == args.match and not (run / "final").is_dir()
+        if args.phase != "eval" and not recorded:  # a finished run is only read back
             sh(["bash", "scripts/train_opd.sh", args.opd_config, f"output.dir={run}", *VARIANTS[v], *ov],
                base / "logs" / f"{v}-s{seed}.log")
         if (run / "final").is_dir():
             rows.update(opd_rows(run, f"OPD {v}", pool, seed))
-        if v == args.match and (run / "final").is_dir():
+        if v == args.match and recorded:
+            flops, points = recorded_budget(json.loads(Path(args.match_from).read_text()), f"OPD {v}", pool, seed,
+                                            refreshes(args, pool, seed))
+            rows.update(baselines(args, None, pool, seed, ov, opd_flops=flops, val_points=points))
+        elif v == args.match and (run / "final").is_dir():
             rows.update(baselines(args, run, pool, seed, ov))
     return rows
 
 
-def baselines(args, match: Path, pool: int, seed: int, ov: list[str]) -> dict[str, dict]:
-    """The fair SFT baselines matched to the OPD run ``match`` (``stages.baselines.run_fair_sft``)."""
+def refreshes(args, pool: int, seed: int) -> int:
+    """The OPD recipe's refresh count at ``pool`` prompts (``stages.plan``: ceil(pool x epochs / prompts per
+    iteration)), each followed by a validation point."""
+    from specforge_opd.config import load_config
+
+    cfg = load_config(ROOT / args.opd_config, pool_overrides(pool, args.out) + seed_overrides(seed))
+    return math.ceil(pool * cfg.training.num_epochs / cfg.opd.prompts_per_iteration)
+
+
+def recorded_budget(table: dict, name: str, pool: int, seed: int, points: int) -> tuple[float, int]:
+    """(drafter-training FLOPs, validation points) of the OPD run ``name`` at (pool, seed) as recorded in a
+    result table: its last refresh's cumulative FLOPs (the best-validation row's where the best is the last)
+    less the start's, which is what ``stages.compare.opd_drafter_flops`` reads from a run on disk.
+
+    Raises:
+        SystemExit: the table has no such row, or no FLOPs for it or for the start.
+    """
+    rows = {r["drafter"]: r for r in table.get("rows", [])}
+    start = next((r for r in rows.values() if r["kind"] == "start"), None)
+    row = rows.get(f"{name} last p{pool} s{seed}") or rows.get(f"{name} best-val p{pool} s{seed}")
+    if row is None or start is None or not row.get("drafter_flops") or not start.get("drafter_flops"):
+        raise SystemExit(f"--match-from: no '{name} last p{pool} s{seed}' (or best-val) row with drafter_flops beside "
+                         "the start's; train the OPD run itself (drop --match-from)")
+    return row["drafter_flops"] - start["drafter_flops"], points
+
+
+def baselines(args, match: Path | None, pool: int, seed: int, ov: list[str], **budget) -> dict[str, dict]:
+    """The fair SFT baselines matched to the OPD run ``match`` (``stages.baselines.run_fair_sft``), or to the
+    recorded budget ``budget`` (``opd_flops``, ``val_points``) of one no longer on disk."""
     from specforge_opd.stages.baselines import run_fair_sft
 
     rows: dict[str, dict] = {}
@@ -102,7 +143,8 @@ def baselines(args, match: Path, pool: int, seed: int, ov: list[str]) -> dict[st
         out = Path(args.out) / f"p{pool}" / f"sft-{source}-s{seed}"
         if args.phase == "eval" and not (out / "final").is_dir():
             continue
-        res = run_fair_sft(args.sft_config, args.opd_config, source=source, out=out, opd_out=match, overrides=ov)
+        res = run_fair_sft(args.sft_config, args.opd_config, source=source, out=out, opd_out=match, overrides=ov,
+                           **budget)
         rows.update(baseline_rows(res, source, pool, seed))
     return rows
 
@@ -205,6 +247,9 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--baselines", nargs="*", default=list(SOURCES), choices=list(SOURCES))
     p.add_argument("--match", default="eq1_full", choices=list(VARIANTS), help="the OPD variant the baselines match in FLOPs")
+    p.add_argument("--match-from", metavar="JSON", default=None,
+                   help="where the --match run is not on disk: take its FLOPs from this result (e.g. "
+                   "benchmarks/results/opd_at_scale.json) and train only the baselines")
     p.add_argument("--sft-config", default="configs/small/sft.yaml")
     p.add_argument("--opd-config", default="configs/small/opd.yaml")
     p.add_argument("--out", default="runs/opd_scale")
@@ -252,9 +297,12 @@ def main() -> int:
             st = drafters["start"]
             st.setdefault("sets", {})[f"p{pool} s{seed}"] = {"val_tau": st.pop("val_tau"), "pool_tau": st.pop("pool_tau")}
     result = evaluate_all(args, drafters, out)
+    committed = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).is_file() else None
+    if committed:
+        add_recorded(committed, drafters, result)
     table = summarize(result, drafters, args)
-    if args.json and Path(args.json).is_file():
-        table = merge(json.loads(Path(args.json).read_text()), table)
+    if committed:
+        table = merge(committed, table)
     (out / "opd_at_scale.md").write_text(render(table) + "\n")
     print(render(table))
     if args.json:
@@ -420,6 +468,32 @@ def collect_curves(args) -> dict:
             "runs": runs}
 
 
+def add_recorded(committed: dict, drafters: dict[str, dict], result: dict) -> list[str]:
+    """Add the committed rows that keep per-prompt ``counts`` and were not replayed now to ``drafters`` and
+    ``result``, so that ``summarize`` compares them with this run's drafters paired on the same prompts.
+
+    The committed start's counts must equal this run's (the same prompts and target trajectories); otherwise
+    nothing is added and ``merge`` refuses the table. Returns the names added.
+    """
+    rows = committed.get("rows", [])
+    start = next((r for r in rows if r["kind"] == "start"), None)
+    here = result["drafters"].get("start", {}).get("datasets", {})
+    now = {ds: [list(e.get("tokens_per_prompt", [])), list(e.get("steps_per_prompt", []))] for ds, e in here.items()}
+    if start is None or start.get("counts") != now:
+        return []
+    added = []
+    for r in rows:
+        if r["kind"] == "start" or r["drafter"] in drafters or not r.get("counts"):
+            continue
+        drafters[r["drafter"]] = {k: r.get(k) for k in ("kind", "select", "pool", "seed", "drafter_flops", "val_tau",
+                                                          "pool_tau", "path")}
+        result["drafters"][r["drafter"]] = {"path": r["path"], "datasets": {
+            ds: {"tau": r["tau"][ds], "num_prompts": len(t), "tokens_per_prompt": t, "steps_per_prompt": s}
+            for ds, (t, s) in r["counts"].items()}}
+        added.append(r["drafter"])
+    return added
+
+
 def summarize(result: dict, drafters: dict[str, dict], args) -> dict:
     """Rows (mean tau with its 95% interval over every prompt of the three sets, FLOPs, in-sample and held-out
     tau) and ratios (each OPD row over the start and over the best fair baseline of its pool and seed, paired)."""
@@ -437,7 +511,8 @@ def summarize(result: dict, drafters: dict[str, dict], args) -> dict:
         rows.append({"drafter": n, "kind": d["kind"], "select": d["select"], "pool": d.get("pool"), "seed": d.get("seed"),
                      "tau": taus, "mean_tau": sum(taus.values()) / len(taus), "ci95": [lo, hi],
                      "drafter_flops": d.get("drafter_flops"), "val_tau": d.get("val_tau"), "pool_tau": d.get("pool_tau"),
-                     "path": d["path"], **({"sets": d["sets"]} if d.get("sets") else {})})
+                     "path": d["path"], **({"sets": d["sets"]} if d.get("sets") else {}),
+                     "counts": {ds: [list(t), list(s)] for ds, (t, s) in counts_of(result, n).items()}})
     by = {r["drafter"]: r for r in rows}
     ratios = []
     for r in rows:
@@ -483,10 +558,11 @@ def _named_by_pool(table: dict) -> dict:
 
 
 def merge(old: dict, new: dict) -> dict:
-    """``new`` with the rows and ratios of ``old`` for the (pool, seed) pairs ``new`` did not run.
+    """``new`` with the rows and ratios of ``old`` that ``new`` has no row of the same name for.
 
-    A session replays the drafters of the seeds it trained; earlier seeds' runs may be gone, so
-    their rows are kept from the committed table. Every row is measured on the same prompts of
+    A session replays the drafters it trained; earlier runs may be gone, so their rows are kept
+    from the committed table (and compared with the new ones paired, where they keep their
+    per-prompt counts: ``add_recorded``). Every row is measured on the same prompts of
     the same evaluation sets and the same target trajectories, so the start drafter's row must
     agree; a disagreement (other prompts, other target, other evaluation) is refused.
 
@@ -502,8 +578,10 @@ def merge(old: dict, new: dict) -> dict:
     if abs(start(old)["mean_tau"] - start(new)["mean_tau"]) > 1e-9:
         raise ValueError(f"--json: the start drafter's mean tau differs ({start(old)['mean_tau']:.6f} committed, "
                          f"{start(new)['mean_tau']:.6f} now): other trajectories; write this run to another --json file")
-    ran = {_pool_seed(r) for r in new["rows"] if r["kind"] != "start"}
-    kept = [r for r in old["rows"] if r["kind"] != "start" and _pool_seed(r) not in ran]
+    # a row is replaced by the row of its name, else kept: a session that trains only the baselines of a
+    # (pool, seed) keeps that pair's OPD rows, whose weights may be gone
+    ran = {r["drafter"] for r in new["rows"]}
+    kept = [r for r in old["rows"] if r["kind"] != "start" and r["drafter"] not in ran]
     names = {r["drafter"] for r in kept}
     out = dict(new)
     # the start's validation and pool tau per (pool, seed): this run's, and the committed ones of other runs

@@ -325,6 +325,84 @@ def test_main_job_compares_against_the_fair_baseline(tmp_path, monkeypatch):
     assert rec["recipe"] == "start" and rec["steps"] == 9 and rec["selected_step"] == 3
 
 
+def test_fair_baseline_matches_a_recorded_opd_budget_without_its_run(tmp_path, monkeypatch):
+    """With ``opd_flops`` (an OPD run recorded in a result, its directory gone) the baseline spends those FLOPs
+    at ``val_points`` validation points and reads no OPD run; a non-positive budget is refused by name."""
+    import json
+
+    from specforge_opd.stages import baselines
+
+    bundle = make_target_dir(tmp_path / "target")
+    start = save_drafter(make_tiny_drafter(bundle.model), tmp_path / "published_start",
+                         metadata={"stage": "sft", "target": bundle.path})
+    (start / "training_record.json").write_text(json.dumps({
+        "training_dtype": "fp32", "config": yaml.safe_dump({"training": {"learning_rate": 1.0e-3, "num_anchors": 6}})}))
+    sft_yaml, opd_yaml = _write_configs(tmp_path, str(start), bundle.path)
+    assert not (tmp_path / "opd_run").exists()
+    responses = [ResponseRecord(id=f"r{i}", prompt_ids=list(range(3, 13)), response_ids=list(range(20, 40)),
+                                finished=True) for i in range(5)]
+    seen = _fake_sft_run(tmp_path, monkeypatch, responses)
+    baselines.run_fair_sft(str(sft_yaml), str(opd_yaml), source="opd_pool", out=tmp_path / "fair", opd_flops=6.0e9,
+                           val_points=3)
+    per_step = sft_flops(seen["cfg"], load_draft_config_of(start), bundle.model.config, responses, steps=1,
+                         captured_here=False).drafter_train
+    steps = math.ceil(6.0e9 / per_step)
+    assert seen["budget"] == {"max_steps": steps, "val_interval": math.ceil(steps / 3)}
+    with pytest.raises(baselines.BaselineError, match="opd_flops"):
+        baselines.run_fair_sft(str(sft_yaml), str(opd_yaml), source="opd_pool", out=tmp_path / "fair", opd_flops=0.0)
+
+
+def test_opd_at_scale_budget_of_a_recorded_run():
+    """--match-from: the OPD run's own FLOPs are its last refresh's cumulative FLOPs less the start's (the
+    best-validation row's where the best is the last); a table without the row names what to do."""
+    bench = _bench_opd_at_scale()
+    table = _scale_table(1, 1.3, 1.2)
+    table["rows"][0]["drafter_flops"] = 1.0e15
+    table["rows"][1].update(drafter="OPD naive best-val p192 s1", drafter_flops=1.3e15)
+    assert bench.recorded_budget(table, "OPD naive", 192, 1, 43) == (pytest.approx(0.3e15), 43)
+    table["rows"].append(dict(table["rows"][1], drafter="OPD naive last p192 s1", drafter_flops=1.5e15))
+    assert bench.recorded_budget(table, "OPD naive", 192, 1, 43)[0] == pytest.approx(0.5e15)
+    with pytest.raises(SystemExit, match="drop --match-from"):
+        bench.recorded_budget(table, "OPD eq1_full", 192, 1, 43)
+
+
+def test_opd_at_scale_compares_new_baselines_with_recorded_opd_rows_paired():
+    """Rows keep their per-prompt counts; a later session that trains only a pair's baselines adds the committed
+    OPD rows of that pair (weights gone) to its replay, and the ratio over the best baseline is paired on the
+    same prompts; merge keeps the pair's OPD rows. Other trajectories (the start's counts differ) add nothing."""
+    import types
+
+    bench = _bench_opd_at_scale()
+
+    def entry(tokens, steps):
+        return {"path": "-", "datasets": {"a": {"tau": sum(tokens) / sum(steps), "num_prompts": len(tokens),
+                                                "tokens_per_prompt": tokens, "steps_per_prompt": steps}}}
+
+    def drafter(kind, name):
+        return {"kind": kind, "select": "-", "pool": None if kind == "start" else 192,
+                "seed": None if kind == "start" else 0, "path": f"runs/{name}"}
+
+    args = types.SimpleNamespace(replicates=200)
+    first = {"target": {}, "eval": {"max_new_tokens": 8}, "method": "replay",
+             "drafters": {"start": entry([10, 20, 30], [10, 10, 10]), "OPD naive best-val p192 s0": entry([12, 26, 33], [10, 10, 10])}}
+    committed = bench.summarize(first, {"start": drafter("start", "s"), "OPD naive best-val p192 s0": drafter("opd", "o")}, args)
+    assert committed["rows"][1]["counts"] == {"a": [[12, 26, 33], [10, 10, 10]]}
+    assert "over_best_baseline" not in committed["ratios"][0]
+    later = {"target": {}, "eval": {"max_new_tokens": 8}, "method": "replay",
+             "drafters": {"start": entry([10, 20, 30], [10, 10, 10]), "SFT fair fresh matched p192 s0": entry([11, 21, 30], [10, 10, 10])}}
+    drafters = {"start": drafter("start", "s"), "SFT fair fresh matched p192 s0": drafter("sft", "b")}
+    assert bench.add_recorded(committed, drafters, later) == ["OPD naive best-val p192 s0"]
+    table = bench.merge(committed, bench.summarize(later, drafters, args))
+    assert [r["drafter"] for r in table["rows"]] == ["start", "SFT fair fresh matched p192 s0", "OPD naive best-val p192 s0"]
+    (ratio,) = table["ratios"]
+    assert ratio["over_best_baseline"]["against"] == "SFT fair fresh matched p192 s0"
+    assert ratio["over_best_baseline"]["ratio"] == pytest.approx((71 / 30) / (62 / 30))
+    lo, hi = ratio["over_best_baseline"]["ci95"]
+    assert 1.0 < lo <= hi  # paired: every prompt gains, so every resample does
+    other = {**later, "drafters": {**later["drafters"], "start": entry([10, 20, 31], [10, 10, 10])}}
+    assert bench.add_recorded(committed, {"start": drafter("start", "s")}, other) == []
+
+
 @pytest.mark.parametrize("name", ["opd_at_scale", "opd_at_scale_l3", "opd_at_scale_b8"])
 def test_readme_opd_at_scale_table_is_the_committed_result(name):
     """Each README OPD-at-scale table is bench_opd_at_scale.py --render of its benchmarks/results/<name>.json."""

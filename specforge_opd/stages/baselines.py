@@ -162,7 +162,7 @@ def opd_refreshes(opd_final: Path) -> int:
 
 def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", recipe: str = "start",
                  out: Optional[Path] = None, overrides: Optional[list[str]] = None, opd_out: Optional[Path] = None,
-                 val_points: Optional[int] = None) -> dict:
+                 val_points: Optional[int] = None, opd_flops: Optional[float] = None) -> dict:
     """Train one fair baseline (module docstring); returns where its drafters are.
 
     Args:
@@ -171,6 +171,9 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
         out: the run's output dir (default ``<sft output.dir>/../sft_fair_<source>``).
         opd_out: the OPD run to match (default: the OPD config's ``output.dir``).
         val_points: validation points over the budget (default: the OPD run's refreshes).
+        opd_flops: the OPD run's drafter-training FLOPs (its own, the start's history excluded), for an
+            OPD run recorded in a result but no longer on disk; ``opd_out`` is then not read, and
+            ``val_points`` defaults to ``DEFAULT_VAL_POINTS``.
 
     Returns:
         ``{"matched": Path, "best_val": Path, "steps": int, "curve": [...], "selected_step": int,
@@ -191,9 +194,14 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
     if recipe not in RECIPES:
         raise BaselineError(f"recipe={recipe!r}: expected one of {RECIPES}")
     sft_cfg, opd_cfg, start = load_pair(sft_config, opd_config, overrides)
-    opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
-    budget = opd_drafter_flops(opd_final)
-    points = val_points or opd_refreshes(opd_final)
+    if opd_flops is not None:
+        if not opd_flops > 0:
+            raise BaselineError(f"opd_flops={opd_flops!r}: expected the OPD run's drafter-training FLOPs (> 0)")
+        budget, points = float(opd_flops), val_points or DEFAULT_VAL_POINTS
+    else:
+        opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
+        budget = opd_drafter_flops(opd_final)
+        points = val_points or opd_refreshes(opd_final)
     out = Path(out or Path(sft_cfg.resolve_path(sft_cfg.output.dir)).parent / f"sft_fair_{source}")
     from transformers import AutoTokenizer
 
