@@ -337,6 +337,17 @@ def test_validation_needs_room_in_the_pool(tmp_path):
         sft._load_val_prompts(cfg)
 
 
+def test_validation_without_room_fails_before_any_target_work(tmp_path, monkeypatch):
+    """A pool with no prompt left after data.num_prompts is refused before the responses step, not after the
+    responses and features it would have paid for."""
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run", **{"sft.val_prompts": 2})  # data.num_prompts unset: the whole pool trains
+    monkeypatch.setattr(sft, "run_responses", lambda *a, **k: pytest.fail("responses ran before the validation check"))
+    with pytest.raises(sft.SFTError, match="data.num_prompts"):
+        sft.run_sft(cfg, bundle=bundle, prompts=make_prompts(4), target_path=bundle.path)
+    assert not list((tmp_path / "run").glob("responses-*"))
+
+
 def test_segments_and_selection_rules():
     from specforge_opd.eval.validation import segment_ends, select
 

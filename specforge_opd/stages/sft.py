@@ -248,6 +248,15 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     layer_ids = [int(i) for i in dcfg.dflash_config["target_layer_ids"]]
     tid = target_key(tpath)
 
+    # the validation prompts are checked before any target work: a pool with none left after
+    # data.num_prompts must fail now, not after the responses and features steps
+    val_tok: list = []
+    if cfg.sft.val_prompts:
+        val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg, tokenizer)
+        val_tok, _ = tokenize_prompts(val_recs, tokenizer, cfg)
+        if not val_tok:
+            raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {prompt_limit(cfg)} tokens")
+
     # -- responses
     t0 = time.time()
     records_in = list(prompts) if prompts is not None else _load_prompts(cfg, tokenizer)
@@ -296,12 +305,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     nodes = nodes_from_env()
     if nodes.nnodes > 1:  # the step counts change with the ranks (one node keeps its earlier keys)
         t_inputs["nnodes"] = nodes.nnodes
-    val_tok: list = []
-    if cfg.sft.val_prompts:
-        val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg, tokenizer)
-        val_tok, _ = tokenize_prompts(val_recs, tokenizer, cfg)
-        if not val_tok:
-            raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {prompt_limit(cfg)} tokens")
+    if val_tok:
         t_inputs["validation"] = {"prompts": hash_inputs({"p": val_tok}), "interval": cfg.sft.val_interval,
                                   "select": cfg.sft.select}
     t_key = hash_inputs(t_inputs)
