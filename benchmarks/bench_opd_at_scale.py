@@ -591,7 +591,43 @@ def merge(old: dict, new: dict) -> dict:
     out["merged_from"] = sorted({f"p{p} s{s}" for p, s in (_pool_seed(r) for r in kept)})
     machines = old.get("machines", [old.get("machine")]) + [new.get("machine")]
     out["machines"] = [m for i, m in enumerate(machines) if m not in machines[:i]]
-    return out
+    return unpaired_baseline_ratios(out)
+
+
+def unpaired_ratio(row: dict, other: dict) -> dict:
+    """``row``'s mean tau over ``other``'s, with an approximate 95% interval from the two rows' own intervals.
+
+    For rows without per-prompt counts (recorded before rows kept them, weights gone), so no paired
+    bootstrap is possible. Each row's bootstrap interval gives a standard error on the log scale,
+    (log hi - log lo) / 3.92; the two are treated as independent: se = sqrt(se_row^2 + se_other^2) and
+    the interval is ratio * exp(+-1.96 se). Both rows are measured on the same prompts, whose errors
+    correlate positively, so this interval is wider than the paired one would be.
+
+    Returns:
+        {"against": other's name, "ratio", "ci95": [lo, hi], "paired": False}
+    """
+    import math
+
+    se = [(math.log(r["ci95"][1]) - math.log(r["ci95"][0])) / 3.92 for r in (row, other)]
+    ratio = row["mean_tau"] / other["mean_tau"]
+    half = 1.96 * math.hypot(*se)
+    return {"against": other["drafter"], "ratio": ratio, "ci95": [ratio * math.exp(-half), ratio * math.exp(half)],
+            "paired": False}
+
+
+def unpaired_baseline_ratios(table: dict) -> dict:
+    """``table`` with ``over_best_baseline`` filled, unpaired (``unpaired_ratio``), for each OPD row that has none
+    while fair baselines of its pool and seed are in the table: an OPD row recorded without per-prompt counts
+    cannot be paired with baselines trained in a later session. Paired ratios are left as they are."""
+    rows = {r["drafter"]: r for r in table["rows"]}
+    ratios = []
+    for e in table["ratios"]:
+        r = rows[e["drafter"]]
+        peers = [b for b in table["rows"] if b["kind"] == "sft" and _pool_seed(b) == _pool_seed(r)]
+        if not e.get("over_best_baseline") and peers:
+            e = dict(e, over_best_baseline=unpaired_ratio(r, max(peers, key=lambda b: b["mean_tau"])))
+        ratios.append(e)
+    return dict(table, ratios=ratios)
 
 
 def across_seeds(table: dict) -> list[dict]:
@@ -690,7 +726,10 @@ def render(table: dict) -> str:
     lines = [f"Mean tau over every prompt of {', '.join(f'{d} ({n})' for d, n in table['prompts'].items())}, exact offline "
              f"replay at T=0, {table['eval']['max_new_tokens']} new tokens; 95% paired bootstrap intervals "
              f"({table['replicates']} replicates over prompts). val: the OPD run's held-out validation prompts; "
-             "pool: the first OPD-pool prompts (in-sample for OPD and the opd_pool baseline).", "",
+             "pool: the first OPD-pool prompts (in-sample for OPD and the opd_pool baseline)."
+             + (" A ratio marked unpaired has an OPD row recorded without per-prompt counts: its interval treats "
+                "the two rows' intervals as independent, so it is wider than a paired one."
+                if any((e.get("over_best_baseline") or {}).get("paired") is False for e in table["ratios"]) else ""), "",
              "| drafter | " + " | ".join(ds) + " | mean tau [95% CI] | val | pool | drafter FLOPs |",
              "|---|" + "---:|" * (len(ds) + 4)]
     f = lambda x, fmt="{:.3f}": "-" if x is None else fmt.format(x)  # noqa: E731
@@ -709,7 +748,9 @@ def render(table: dict) -> str:
                      f"{f(r['pool_tau'])} | {f(r['drafter_flops'], '{:.2e}')} |")
     if table["ratios"]:
         lines += ["", "| OPD drafter | over the start [95% CI] | over the best fair baseline [95% CI] |", "|---|---:|---:|"]
-        cell = lambda e: "-" if e is None else f"{e['ratio']:.3f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]"  # noqa: E731
+        # an unpaired ratio (OPD row recorded without per-prompt counts) is marked, its interval being wider
+        cell = lambda e: "-" if e is None else (f"{e['ratio']:.3f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]"  # noqa: E731
+                                                + (", unpaired" if e.get("paired") is False else ""))
         rank = {r["drafter"]: place(r) for r in table["rows"]}
         for e in sorted(table["ratios"], key=lambda e: rank[e["drafter"]]):
             lines.append(f"| {e['drafter']} | {cell(e.get('over_start'))} | {cell(e.get('over_best_baseline'))}"

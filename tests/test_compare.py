@@ -561,3 +561,31 @@ def test_opd_at_scale_stores_set_replays(tmp_path):
     assert bench.stored_tau(tmp_path / "set-k.json", "d", replay) == 1.375
     assert len(calls) == 1
     assert bench.stored_tau(tmp_path / "set-other.json", "d", replay) == 1.375 and len(calls) == 2
+
+
+def test_opd_at_scale_recorded_opd_rows_without_counts_get_an_unpaired_baseline_ratio():
+    """An OPD row recorded without per-prompt counts cannot be paired with baselines trained later: merge gives it
+    an unpaired ratio over the best fair baseline of its pool and seed, from the two rows' intervals, marked as
+    such; a paired ratio already there is kept."""
+    import math
+
+    bench = _bench_opd_at_scale()
+    old = _scale_table(0, 1.32, 1.30)
+    del old["ratios"][0]["over_best_baseline"]
+    old["rows"] = old["rows"][:2]  # the OPD run alone: its baselines were not trained yet
+    old["rows"][1]["ci95"] = [1.30, 1.34]
+    new = _scale_table(0, 1.0, 1.28)
+    new["rows"] = [new["rows"][0], new["rows"][2]]
+    new["rows"][1]["ci95"] = [1.26, 1.30]
+    new["ratios"] = []
+    table = bench.merge(old, new)
+    (e,) = table["ratios"]
+    got = e["over_best_baseline"]
+    assert got["against"] == "SFT fair fresh matched p192 s0" and got["paired"] is False
+    assert got["ratio"] == pytest.approx(1.32 / 1.28)
+    se = math.hypot(math.log(1.34 / 1.30), math.log(1.30 / 1.26)) / 3.92
+    assert got["ci95"] == pytest.approx([1.32 / 1.28 * math.exp(-1.96 * se), 1.32 / 1.28 * math.exp(1.96 * se)])
+    assert ", unpaired" in bench.render(table) and "wider than a paired one" in bench.render(table)
+    paired = bench.merge(_scale_table(0, 1.32, 1.30), _scale_table(1, 1.26, 1.25))
+    assert all(e["over_best_baseline"].get("paired") is None for e in paired["ratios"])
+    assert "unpaired" not in bench.render(paired)
