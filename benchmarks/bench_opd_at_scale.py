@@ -618,13 +618,15 @@ def unpaired_ratio(row: dict, other: dict) -> dict:
 def unpaired_baseline_ratios(table: dict) -> dict:
     """``table`` with ``over_best_baseline`` filled, unpaired (``unpaired_ratio``), for each OPD row that has none
     while fair baselines of its pool and seed are in the table: an OPD row recorded without per-prompt counts
-    cannot be paired with baselines trained in a later session. Paired ratios are left as they are."""
+    cannot be paired with baselines trained in a later session. Paired ratios are left as they are; unpaired ones
+    are computed again against the best baseline now in the table."""
     rows = {r["drafter"]: r for r in table["rows"]}
     ratios = []
     for e in table["ratios"]:
         r = rows[e["drafter"]]
         peers = [b for b in table["rows"] if b["kind"] == "sft" and _pool_seed(b) == _pool_seed(r)]
-        if not e.get("over_best_baseline") and peers:
+        # an unpaired ratio is computed again: baselines of its pool and seed may have been added since
+        if peers and (not e.get("over_best_baseline") or e["over_best_baseline"].get("paired") is False):
             e = dict(e, over_best_baseline=unpaired_ratio(r, max(peers, key=lambda b: b["mean_tau"])))
         ratios.append(e)
     return dict(table, ratios=ratios)

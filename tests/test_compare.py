@@ -586,6 +586,11 @@ def test_opd_at_scale_recorded_opd_rows_without_counts_get_an_unpaired_baseline_
     se = math.hypot(math.log(1.34 / 1.30), math.log(1.30 / 1.26)) / 3.92
     assert got["ci95"] == pytest.approx([1.32 / 1.28 * math.exp(-1.96 * se), 1.32 / 1.28 * math.exp(1.96 * se)])
     assert ", unpaired" in bench.render(table) and "wider than a paired one" in bench.render(table)
+    better = _scale_table(0, 1.0, 1.31)  # a later session's better baseline of the same pool and seed
+    better["rows"] = [better["rows"][0], dict(better["rows"][2], drafter="SFT fair opd_pool best-val p192 s0")]
+    better["ratios"] = []
+    again = bench.merge(table, better)["ratios"][0]["over_best_baseline"]
+    assert again["against"] == "SFT fair opd_pool best-val p192 s0" and again["ratio"] == pytest.approx(1.32 / 1.31)
     paired = bench.merge(_scale_table(0, 1.32, 1.30), _scale_table(1, 1.26, 1.25))
     assert all(e["over_best_baseline"].get("paired") is None for e in paired["ratios"])
     assert "unpaired" not in bench.render(paired)
