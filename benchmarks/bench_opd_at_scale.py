@@ -616,33 +616,43 @@ def unpaired_ratio(row: dict, other: dict) -> dict:
 
 
 def unpaired_baseline_ratios(table: dict) -> dict:
-    """``table`` with ``over_best_baseline`` filled, unpaired (``unpaired_ratio``), for each OPD row that has none
-    while fair baselines of its pool and seed are in the table: an OPD row recorded without per-prompt counts
-    cannot be paired with baselines trained in a later session. Paired ratios are left as they are; unpaired ones
-    are computed again against the best baseline now in the table."""
+    """``table`` with ``over_best_baseline`` made unpaired (``unpaired_ratio``) for each OPD row whose ratio over
+    the best fair baseline of its pool and seed is missing or stale, while such baselines are in the table.
+
+    A row recorded without per-prompt counts cannot be paired with one trained in a later session, so the
+    paired ratio ``summarize`` gives is missing there, or stays from an earlier table while a better
+    baseline (or a rerun of the same one) arrives. A paired ratio that still names the best baseline at its
+    mean tau is left as it is; an unpaired one is computed again, so merging twice changes nothing.
+    """
     rows = {r["drafter"]: r for r in table["rows"]}
     ratios = []
     for e in table["ratios"]:
         r = rows[e["drafter"]]
         peers = [b for b in table["rows"] if b["kind"] == "sft" and _pool_seed(b) == _pool_seed(r)]
-        # an unpaired ratio is computed again: baselines of its pool and seed may have been added since
-        if peers and (not e.get("over_best_baseline") or e["over_best_baseline"].get("paired") is False):
-            e = dict(e, over_best_baseline=unpaired_ratio(r, max(peers, key=lambda b: b["mean_tau"])))
+        if peers:
+            best = max(peers, key=lambda b: b["mean_tau"])
+            cur = e.get("over_best_baseline")
+            if (not cur or cur.get("paired") is False or cur["against"] != best["drafter"]
+                    or abs(cur["ratio"] - r["mean_tau"] / best["mean_tau"]) > 1e-12):
+                e = dict(e, over_best_baseline=unpaired_ratio(r, best))
         ratios.append(e)
     return dict(table, ratios=ratios)
 
 
 def across_seeds(table: dict) -> list[dict]:
     """Per OPD variant, selection and pool: its ratio over the start and over the best fair baseline at each
-    seed, and the lowest of them (the OPD study's goal holds at every seed)."""
+    seed, and the lowest of them (the OPD study's goal holds at every seed); ``unpaired``: the seeds whose ratio
+    over the best fair baseline is unpaired (``unpaired_ratio``)."""
     groups: dict[tuple, dict] = {}
     rows = {r["drafter"]: r for r in table["rows"]}
     for e in table["ratios"]:
         r = rows[e["drafter"]]
         name = e["drafter"].rsplit(" s", 1)[0].removesuffix(f" p{r['pool']}")
         g = groups.setdefault((name, r["pool"]), {"drafter": name, "pool": r["pool"], "seeds": [],
-                                                  "over_start": [], "over_best_baseline": []})
+                                                  "over_start": [], "over_best_baseline": [], "unpaired": []})
         g["seeds"].append(r["seed"])
+        if (e.get("over_best_baseline") or {}).get("paired") is False:
+            g["unpaired"].append(r["seed"])
         for k in ("over_start", "over_best_baseline"):  # None where a seed has no such ratio, so lists align
             g[k].append(e[k]["ratio"] if e.get(k) else None)
     for g in groups.values():
@@ -652,6 +662,7 @@ def across_seeds(table: dict) -> list[dict]:
         for k in ("over_start", "over_best_baseline"):
             got = [x for x in g[k] if x is not None]
             g[f"min_{k}"] = min(got) if got else None
+        g["unpaired"].sort()
     return sorted(groups.values(), key=lambda g: (g["pool"], g["drafter"]))
 
 
@@ -729,7 +740,7 @@ def render(table: dict) -> str:
              f"replay at T=0, {table['eval']['max_new_tokens']} new tokens; 95% paired bootstrap intervals "
              f"({table['replicates']} replicates over prompts). val: the OPD run's held-out validation prompts; "
              "pool: the first OPD-pool prompts (in-sample for OPD and the opd_pool baseline)."
-             + (" A ratio marked unpaired has an OPD row recorded without per-prompt counts: its interval treats "
+             + (" A ratio marked unpaired has one of its two rows recorded without per-prompt counts: its interval treats "
                 "the two rows' intervals as independent, so it is wider than a paired one."
                 if any((e.get("over_best_baseline") or {}).get("paired") is False for e in table["ratios"]) else ""), "",
              "| drafter | " + " | ".join(ds) + " | mean tau [95% CI] | val | pool | drafter FLOPs |",
@@ -761,8 +772,14 @@ def render(table: dict) -> str:
     if groups:
         lines += ["", "| OPD drafter | pool | seeds | over the start, per seed (lowest) | over the best fair baseline, "
                   "per seed (lowest) |", "|---|---:|---|---:|---:|"]
-        per = lambda g, k: (", ".join("-" if x is None else f"{x:.3f}" for x in g[k])  # noqa: E731
-                            + f" (**{g['min_' + k]:.3f}**)") if g["min_" + k] is not None else "-"
+        def per(g, k):
+            if g["min_" + k] is None:
+                return "-"
+            unpaired = g["unpaired"] if k == "over_best_baseline" else []
+            cells = ["-" if x is None else f"{x:.3f}" + (" unpaired" if seed in unpaired else "")
+                     for x, seed in zip(g[k], g["seeds"])]
+            return ", ".join(cells) + f" (**{g['min_' + k]:.3f}**)"
+
         for g in groups:
             lines.append(f"| {g['drafter']} | {g['pool']} | {', '.join(map(str, g['seeds']))} | "
                          f"{per(g, 'over_start')} | {per(g, 'over_best_baseline')} |")

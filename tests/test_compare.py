@@ -591,6 +591,16 @@ def test_opd_at_scale_recorded_opd_rows_without_counts_get_an_unpaired_baseline_
     better["ratios"] = []
     again = bench.merge(table, better)["ratios"][0]["over_best_baseline"]
     assert again["against"] == "SFT fair opd_pool best-val p192 s0" and again["ratio"] == pytest.approx(1.32 / 1.31)
+    assert bench.merge(table, new)["ratios"] == table["ratios"]  # merging again changes nothing
+    seed1 = bench.merge(table, _scale_table(1, 1.26, 1.25))  # seed 1 paired, seed 0 unpaired
+    (g,) = bench.across_seeds(seed1)
+    assert g["unpaired"] == [0]
+    assert f"{1.32 / 1.28:.3f} unpaired, {1.26 / 1.25:.3f} (**" in bench.render(seed1)
+    stale = bench.merge(_scale_table(0, 1.32, 1.30), _scale_table(1, 1.26, 1.25))  # a paired ratio of rows without
+    stale["rows"] = [dict(r, mean_tau=1.29, ci95=[1.27, 1.31]) if r["drafter"] == "SFT fair fresh matched p192 s0" else r
+                     for r in stale["rows"]]  # counts whose baseline changed since: unpaired against the row now
+    e0 = next(e for e in bench.unpaired_baseline_ratios(stale)["ratios"] if e["drafter"].endswith("s0"))
+    assert e0["over_best_baseline"]["paired"] is False and e0["over_best_baseline"]["ratio"] == pytest.approx(1.32 / 1.29)
     paired = bench.merge(_scale_table(0, 1.32, 1.30), _scale_table(1, 1.26, 1.25))
     assert all(e["over_best_baseline"].get("paired") is None for e in paired["ratios"])
     assert "unpaired" not in bench.render(paired)
