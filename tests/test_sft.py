@@ -632,3 +632,39 @@ def test_step_keys_name_the_target_dtype_off_the_default():
     # features vary "responses" when matching donors: the dtype must sit among the fields that do not vary
     f32, f16 = features_inputs(fp32, "rk", "tid", [1, 2]), features_inputs(bf16, "rk", "tid", [1, 2])
     assert "target_dtype" not in f32 and f16["target_dtype"] == "bfloat16"
+
+
+def test_a_packed_responses_step_is_reused_and_donates_like_a_plain_one(tmp_path, chat_render, monkeypatch):
+    """A finished responses step packed with gzip (what the repository carries) reads back record for
+    record, is reused whole through ``sft.reuse_from``, and donates its chunks to a grown pool."""
+    bundle = make_target_dir(tmp_path / "target")
+    cfg = tiny_cfg(tmp_path / "run")  # chunks of 4 prompts
+    ps = make_prompts(10)
+    _stop_before_train(monkeypatch)
+    with pytest.raises(_Stop):
+        sft.run_sft(cfg, bundle=bundle, prompts=ps[:6], target_path=bundle.path)
+    plain = next((tmp_path / "run").glob("responses-*"))
+    packed = tmp_path / "cache" / plain.name
+    assert responses.pack_responses(plain, packed) == 2
+    assert sorted(f.name for f in packed.iterdir()) == ["DONE.json", "chunk_00000.jsonl.gz", "chunk_00001.jsonl.gz"]
+    assert responses.read_responses(packed) == responses.read_responses(plain)
+    with pytest.raises(stepkeys.SFTError, match="not a finished responses step"):
+        responses.pack_responses(tmp_path / "run", tmp_path / "nowhere")
+
+    real_gen = responses.generate_responses
+    calls = []
+    monkeypatch.setattr(responses, "generate_responses", lambda *a, **k: (calls.append(k["sample_ids"]), real_gen(*a, **k))[1])
+    # the same pool in a new output dir: the packed step is reused whole, nothing is generated
+    again = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": str(tmp_path / "again")}),
+                                   "sft": cfg.sft.model_copy(update={"reuse_from": str(tmp_path / "cache")})})
+    with pytest.raises(_Stop):
+        sft.run_sft(again, bundle=bundle, prompts=ps[:6], target_path=bundle.path)
+    assert calls == []
+    assert not list((tmp_path / "again").glob("responses-*"))
+    # a grown pool generates only what the packed chunks do not answer
+    grown = again.model_copy(update={"output": cfg.output.model_copy(update={"dir": str(tmp_path / "grown")})})
+    with pytest.raises(_Stop):
+        sft.run_sft(grown, bundle=bundle, prompts=ps, target_path=bundle.path)
+    assert calls == [["p4", "p5", "p6", "p7"], ["p8", "p9"]]
+    big = next((tmp_path / "grown").glob("responses-*"))
+    assert (big / "chunk_00000.jsonl").read_bytes() == (plain / "chunk_00000.jsonl").read_bytes()

@@ -5,13 +5,16 @@ each response is the target's continuation, greedy or sampled (``sft.temperature
 cut after the first stop token and at ``sft.max_new_tokens``. ``run_responses`` writes
 them as JSONL chunks of ``ResponseRecord``, a chunk at a time, so a killed run keeps its
 finished chunks and, sampling being seeded per prompt id, resumes with what the
-uninterrupted run would have written.
+uninterrupted run would have written. ``pack_responses`` gzips a finished step's chunks
+so that a repository can carry it; ``sft.reuse_from`` reuses a packed step like any other.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -19,7 +22,7 @@ from typing import Optional, Sequence
 from specforge_opd.atomic import atomic_write_bytes
 from specforge_opd.config import ExperimentConfig
 from specforge_opd.progress import progress_bar
-from specforge_opd.stepkeys import SFTError
+from specforge_opd.stepkeys import MARKER, SFTError
 
 
 @dataclass
@@ -149,30 +152,66 @@ def generate_responses(bundle, prompts: list[list[int]], cfg: ExperimentConfig, 
     return hf_generate(bundle.model, prompts, pad_token_id=pad, **kw)
 
 
+def _chunk_index(f: Path) -> int:
+    return int(f.name.split(".")[0].split("_")[1])
+
+
+def _chunk_files(d: Path) -> list[Path]:
+    """``d``'s response chunks in chunk order: ``chunk_<c>.jsonl``, or ``chunk_<c>.jsonl.gz`` in a packed step."""
+    return sorted([*d.glob("chunk_*.jsonl"), *d.glob("chunk_*.jsonl.gz")], key=_chunk_index)
+
+
+def _chunk_text(f: Path) -> str:
+    data = f.read_bytes()
+    return (gzip.decompress(data) if f.name.endswith(".gz") else data).decode()
+
+
 def read_responses(d: Path) -> list[ResponseRecord]:
-    """All response records of a responses directory, chunk by chunk, in order."""
+    """All response records of a responses directory, chunk by chunk, in order (plain or packed chunks)."""
     out = []
-    for f in sorted(d.glob("chunk_*.jsonl")):
-        for line in f.read_text().splitlines():
+    for f in _chunk_files(d):
+        for line in _chunk_text(f).splitlines():
             if line.strip():
                 out.append(ResponseRecord(**json.loads(line)))
     return out
 
 
+def pack_responses(src: Path, dst: Path) -> int:
+    """Copy the finished responses step ``src`` to ``dst`` with gzip-compressed chunks (about 5x smaller).
+
+    A packed step is what a repository can carry: ``sft.reuse_from`` pointing at its parent
+    directory reuses it as it reuses any finished step (``stepkeys.reusable_step``), and it serves
+    as a donor to a grown pool. Returns the number of chunks written.
+
+    Raises:
+        SFTError: ``src`` is not a finished responses step (no marker).
+    """
+    src, dst = Path(src), Path(dst)
+    if not (src / MARKER).is_file():
+        raise SFTError(f"pack_responses: {src} is not a finished responses step (no {MARKER}); finish it first")
+    dst.mkdir(parents=True, exist_ok=True)
+    files = [f for f in _chunk_files(src) if f.name.endswith(".jsonl")]
+    for f in files:
+        # mtime 0: the packed bytes depend on the chunk's content only
+        atomic_write_bytes(dst / (f.name + ".gz"), gzip.compress(f.read_bytes(), compresslevel=9, mtime=0))
+    shutil.copyfile(src / MARKER, dst / MARKER)
+    return len(files)
+
+
 def _matching_chunk(donors: Sequence[Path], c: int, part: list[tuple[str, list[int]]]) -> Optional[bytes]:
-    """The bytes of the first donor's ``chunk_<c>.jsonl`` whose records answer exactly ``part``'s prompts, else None."""
+    """The bytes of the first donor's chunk c (plain or packed) whose records answer exactly ``part``'s prompts, else None."""
     want = [(str(pid), list(p)) for pid, p in part]
     for d in donors:
-        f = d / f"chunk_{c:05d}.jsonl"
-        if not f.is_file():
+        f = next((g for g in (d / f"chunk_{c:05d}.jsonl", d / f"chunk_{c:05d}.jsonl.gz") if g.is_file()), None)
+        if f is None:
             continue
-        data = f.read_bytes()
         try:
-            got = [(str(r["id"]), r["prompt_ids"]) for r in map(json.loads, data.decode().splitlines()) if r]
-        except (ValueError, KeyError, TypeError):
+            text = _chunk_text(f)
+            got = [(str(r["id"]), r["prompt_ids"]) for r in map(json.loads, text.splitlines()) if r]
+        except (OSError, ValueError, KeyError, TypeError):
             continue
         if got == want:
-            return data
+            return text.encode()
     return None
 
 
