@@ -94,3 +94,23 @@ def test_ledger_roundtrip_and_bad_metadata():
     assert a.add(b).target_total == pytest.approx(6e18)
     with pytest.raises(ValueError, match="drafter_train"):
         F.FlopsLedger.from_dict({"drafter_train": "lots"})
+
+
+def test_sft_flops_counts_generation_and_capture_only_where_this_run_made_them(tmp_path):
+    """A run that reuses a packed responses step but captures its own features counts the capture
+    forward and not the generation; the default keeps both together."""
+    from sft_helpers import tiny_cfg
+    from specforge_opd.rollout.responses import ResponseRecord
+
+    t = make_tiny_target()
+    d = make_tiny_drafter(t)
+    cfg = tiny_cfg(tmp_path)
+    recs = [ResponseRecord("a", [1, 2, 3], [4, 5], True), ResponseRecord("b", [1, 2], [6, 7, 8], False)]
+    gen = sum(F.autoregressive_target_flops(t.config, prompt_len=len(r.prompt_ids), new_tokens=len(r.response_ids)) for r in recs)
+    cap = sum(F.capture_target_flops(t.config, seq_len=len(r.prompt_ids) + len(r.response_ids)) for r in recs)
+    run = lambda **kw: F.sft_flops(cfg, d.config, t.config, recs, steps=3, **kw)
+    assert run().target_capture == gen + cap
+    assert run(captured_here=False).target_capture == 0
+    assert run(generated_here=False, captured_here=True).target_capture == cap
+    assert run(generated_here=True, captured_here=False).target_capture == gen
+    assert len({run(**kw).drafter_train for kw in ({}, {"captured_here": False}, {"generated_here": False})}) == 1

@@ -312,7 +312,7 @@ class FlopsLedger:
 
 
 def sft_flops(cfg, draft_config, target_config, responses: list, *, steps: int,
-              captured_here: bool = True):
+              captured_here: bool = True, generated_here: Optional[bool] = None):
     """FLOPs of an SFT run of ``cfg`` (an ``ExperimentConfig``) as a ``FlopsLedger`` (this module's conventions).
 
     ``responses``: the run's ``ResponseRecord`` list; ``steps``: optimizer steps trained.
@@ -320,15 +320,19 @@ def sft_flops(cfg, draft_config, target_config, responses: list, *, steps: int,
     ``drafter_train`` = steps x batch_size x the mean per-sequence cost of SpecForge's
     DFlash SFT (``sft_step_flops`` with ``training.num_anchors``) over the
     training samples. ``target_capture`` = response generation (plain decoding)
-    plus the feature capture forward of every sample; 0 when the responses and
-    features were reused from another run (``sft.reuse_from``: already paid there).
+    plus the feature capture forward of every sample. ``generated_here`` (default:
+    ``captured_here``) and ``captured_here`` say whether this run made the responses and the
+    features: a step reused from another run (``sft.reuse_from``, a packed responses step)
+    was paid there and is not counted again.
     """
     lens = [len(r.prompt_ids) + len(r.response_ids) for r in responses] or [0]
     per_seq = sum(sft_step_flops(draft_config, seq_len=n, num_anchors=cfg.training.num_anchors)["total"] for n in lens) / len(lens)
     ledger = FlopsLedger(drafter_train=float(per_seq * cfg.training.batch_size * cfg.training.accumulation_steps * steps))
-    if captured_here:
-        for r in responses:
+    generated_here = captured_here if generated_here is None else generated_here
+    for r in responses:
+        if generated_here:
             ledger.target_capture += autoregressive_target_flops(target_config, prompt_len=len(r.prompt_ids), new_tokens=len(r.response_ids))
+        if captured_here:
             ledger.target_capture += capture_target_flops(target_config, seq_len=len(r.prompt_ids) + len(r.response_ids))
     return ledger
 

@@ -179,6 +179,13 @@ def _reopen_if_rule_loosened(t_dir: Path, t_key: str, cfg: ExperimentConfig) -> 
     (t_dir / MARKER).unlink()
 
 
+def _made_here(r_dir: Path, f_dir: Path, out: Path) -> dict:
+    """``sft_flops``'s ``generated_here`` / ``captured_here``: whether the responses and features
+    steps are this run's own, not reused from ``sft.reuse_from`` (whose run paid for them)."""
+    return {"generated_here": r_dir.resolve().is_relative_to(out.resolve()),
+            "captured_here": f_dir.resolve().is_relative_to(out.resolve())}
+
+
 def _target_dtype_input(cfg: ExperimentConfig) -> dict:
     # The target's weights are keyed by their files, not by the dtype they run in: a bf16
     # target answers and captures differently. Keyed only off the float32 default, so the
@@ -336,7 +343,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
 
         def flops_at(step: int) -> FlopsLedger:
             here = sft_flops(cfg, dcfg, target_config, responses, steps=step,
-                             captured_here=r_dir.resolve().is_relative_to(out.resolve()))
+                             **_made_here(r_dir, f_dir, out))
             return init.add(here)
 
         # segment ends count the steps of every rank on every node
@@ -397,7 +404,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
         responses = read_responses(r_dir)
         step = int(chosen["step"] if chosen is not None else train_stats["step"])
         ledger = sft_flops(cfg, dcfg, target_config, responses, steps=step,
-                           captured_here=r_dir.resolve().is_relative_to(out.resolve()))
+                           **_made_here(r_dir, f_dir, out))
         if cfg.sft.init_drafter:
             ledger = FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops")).add(ledger)
         save_drafter(model, final, metadata={"stage": "sft", "sft_key": t_key, "specforge_checkpoint": str(ckpt),
