@@ -572,15 +572,22 @@ def test_sft_pool_drops_prompts_over_the_limit_before_the_cap(tmp_path, monkeypa
     assert seen == [bundle.tokenizer, bundle.tokenizer]
 
 
-def test_a_grown_pool_reuses_the_finished_chunks_and_samples_of_a_smaller_one(tmp_path, chat_render, monkeypatch):
-    """A run over 10 prompts after a finished run over the first 6 generates only the chunks whose
-    prompts are new and links every feature file whose tokens a finished capture already holds."""
+def _finished_run_over_six_of_ten_prompts(tmp_path, monkeypatch):
+    """A tiny SFT run (chunks of 4 prompts) whose responses and features steps finished over the
+    first 6 of 10 prompts; training is stopped. Returns ``(bundle, cfg, the 10 prompts)``."""
     bundle = make_target_dir(tmp_path / "target")
-    cfg = tiny_cfg(tmp_path / "run")  # chunks of 4 prompts
+    cfg = tiny_cfg(tmp_path / "run")
     ps = make_prompts(10)
     _stop_before_train(monkeypatch)
     with pytest.raises(_Stop):
         sft.run_sft(cfg, bundle=bundle, prompts=ps[:6], target_path=bundle.path)
+    return bundle, cfg, ps
+
+
+def test_a_grown_pool_reuses_the_finished_chunks_and_samples_of_a_smaller_one(tmp_path, chat_render, monkeypatch):
+    """A run over 10 prompts after a finished run over the first 6 generates only the chunks whose
+    prompts are new and links every feature file whose tokens a finished capture already holds."""
+    bundle, cfg, ps = _finished_run_over_six_of_ten_prompts(tmp_path, monkeypatch)
     small_r = next((tmp_path / "run").glob("responses-*"))
     small_f = next((tmp_path / "run").glob("features-*"))
 
@@ -637,12 +644,7 @@ def test_step_keys_name_the_target_dtype_off_the_default():
 def test_a_packed_responses_step_is_reused_and_donates_like_a_plain_one(tmp_path, chat_render, monkeypatch):
     """A finished responses step packed with gzip (what the repository carries) reads back record for
     record, is reused whole through ``sft.reuse_from``, and donates its chunks to a grown pool."""
-    bundle = make_target_dir(tmp_path / "target")
-    cfg = tiny_cfg(tmp_path / "run")  # chunks of 4 prompts
-    ps = make_prompts(10)
-    _stop_before_train(monkeypatch)
-    with pytest.raises(_Stop):
-        sft.run_sft(cfg, bundle=bundle, prompts=ps[:6], target_path=bundle.path)
+    bundle, cfg, ps = _finished_run_over_six_of_ten_prompts(tmp_path, monkeypatch)
     plain = next((tmp_path / "run").glob("responses-*"))
     packed = tmp_path / "cache" / plain.name
     assert responses.pack_responses(plain, packed) == 2
