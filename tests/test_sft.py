@@ -650,6 +650,10 @@ def test_a_packed_responses_step_is_reused_and_donates_like_a_plain_one(tmp_path
     assert responses.pack_responses(plain, packed) == 2
     assert sorted(f.name for f in packed.iterdir()) == ["DONE.json", "chunk_00000.jsonl.gz", "chunk_00001.jsonl.gz"]
     assert responses.read_responses(packed) == responses.read_responses(plain)
+    # packing a packed step keeps every chunk, byte for byte
+    repacked = tmp_path / "repacked" / plain.name
+    assert responses.pack_responses(packed, repacked) == 2
+    assert {f.name: f.read_bytes() for f in repacked.iterdir()} == {f.name: f.read_bytes() for f in packed.iterdir()}
     with pytest.raises(stepkeys.SFTError, match="not a finished responses step"):
         responses.pack_responses(tmp_path / "run", tmp_path / "nowhere")
 

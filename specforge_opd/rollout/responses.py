@@ -190,10 +190,11 @@ def pack_responses(src: Path, dst: Path) -> int:
     if not (src / MARKER).is_file():
         raise SFTError(f"pack_responses: {src} is not a finished responses step (no {MARKER}); finish it first")
     dst.mkdir(parents=True, exist_ok=True)
-    files = [f for f in _chunk_files(src) if f.name.endswith(".jsonl")]
+    files = _chunk_files(src)  # a packed ``src`` is packed again: its chunks must not be dropped
     for f in files:
         # mtime 0: the packed bytes depend on the chunk's content only
-        atomic_write_bytes(dst / (f.name + ".gz"), gzip.compress(f.read_bytes(), compresslevel=9, mtime=0))
+        atomic_write_bytes(dst / f"chunk_{_chunk_index(f):05d}.jsonl.gz",
+                           gzip.compress(_chunk_text(f).encode(), compresslevel=9, mtime=0))
     shutil.copyfile(src / MARKER, dst / MARKER)
     return len(files)
 
