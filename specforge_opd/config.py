@@ -204,8 +204,10 @@ class SFTConfig(Section):
     verify_max_new_tokens: int = Field(default=32, gt=0)
     #: SpecForge run-config overrides passed through verbatim (section.field: value).
     specforge_overrides: dict[str, Any] = Field(default_factory=dict)
-    #: Another SFT output dir whose finished responses/features steps (same input hash) are reused.
-    reuse_from: Optional[str] = None
+    #: Other SFT output dirs (one path or a list, searched in order) whose finished responses/features
+    #: steps (same input hash) are reused: a second stage can take its responses from a packed step
+    #: and its features from the first stage's run.
+    reuse_from: Optional[str | List[str]] = None
     #: Train on the first N samples of the responses (the pool is shuffled, so a smaller N is a
     #: random subset of the same mix): the points of a data curve share one responses and
     #: features step (None: every sample).

@@ -76,22 +76,30 @@ def mark_done(d: Path, key: str, inputs: dict, stats: dict) -> None:
     atomic_write_json(d / MARKER, {"key": key, "inputs": inputs, "stats": stats, "finished_at": time.time()})
 
 
+def reuse_roots(cfg: ExperimentConfig) -> list[Path]:
+    """``sft.reuse_from`` as directories, in the order given (one path or a list; none when unset)."""
+    r = cfg.sft.reuse_from
+    return [Path(cfg.resolve_path(p)) for p in ([r] if isinstance(r, str) else (r or []))]
+
+
 def step_roots(cfg: ExperimentConfig, out: Path) -> list[Path]:
-    """Where an SFT run's steps may be: its own ``out``, then ``sft.reuse_from`` when set."""
-    return [Path(out)] + ([Path(cfg.resolve_path(cfg.sft.reuse_from))] if cfg.sft.reuse_from else [])
+    """Where an SFT run's steps may be: its own ``out``, then each ``sft.reuse_from`` directory."""
+    return [Path(out)] + reuse_roots(cfg)
 
 
 def reusable_step(cfg: ExperimentConfig, out: Path, step: str, key: str) -> Path:
-    """``out``'s directory for ``step``, or a finished one with the same key under ``sft.reuse_from``.
+    """``out``'s directory for ``step``, or else the first finished one with the same key under an
+    ``sft.reuse_from`` directory (in their order).
 
-    Continued SFT (the matched-FLOPs baseline) trains on the first stage's cached
+    Continued SFT (the matched-FLOPs baseline, a second stage) trains on the first stage's cached
     features instead of generating and capturing them again.
     """
     own = step_dir(out, step, key)
-    if not is_done(own, key) and cfg.sft.reuse_from:
-        other = step_dir(Path(cfg.resolve_path(cfg.sft.reuse_from)), step, key)
-        if is_done(other, key):
-            return other
+    if not is_done(own, key):
+        for root in reuse_roots(cfg):
+            other = step_dir(root, step, key)
+            if is_done(other, key):
+                return other
     return own
 
 
