@@ -91,3 +91,28 @@ def test_publish_needs_a_name(capsys):
     with pytest.raises(SystemExit) as e:
         published.cli(["publish", "--export", "x", "--config", "y"])
     assert e.value.code == 2 and "--name" in capsys.readouterr().err
+
+
+def test_a_second_stage_records_the_first_stage_it_started_from(tmp_path):
+    """A drafter trained in two stages (a warm start from a local export) ships with both: the earlier
+    config's text, and the start's step and validation curve, which its own record no longer holds."""
+    import json
+
+    from specforge_opd.config import load_config
+    from specforge_opd.models.drafter import METADATA_FILE
+
+    first = tmp_path / "stage1" / "final"
+    first.mkdir(parents=True)
+    curve = [{"step": 250, "tau": 1.5, "drafter_flops": 1.0, "export": "x"}, {"step": 500, "tau": 1.6}]
+    (first / METADATA_FILE).write_text(json.dumps({
+        "stage": "sft", "step": 500, "init_drafter": "published:start",
+        "validation": {"selected_tau": 1.6, "selected_step": 500, "curve": curve}}))
+    stage1_cfg = tmp_path / "stage1.yaml"
+    stage1_cfg.write_text("name: stage1\n")
+    cfg = load_config(None, [f"sft.init_drafter={first}"])
+    got = published.earlier_stages(cfg, [stage1_cfg])
+    assert got == [{"config_file": str(stage1_cfg), "config": "name: stage1\n"},
+                   {"init_drafter": str(first), "step": 500, "selected_tau": 1.6,
+                    "curve": [{"step": 250, "tau": 1.5}, {"step": 500, "tau": 1.6}], "init_drafter_of_it": "published:start"}]
+    # a published start has its own training record: only the earlier configs, if any, are kept
+    assert published.earlier_stages(load_config(None, ["sft.init_drafter=published:start"])) == []

@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 #: Where published drafters live (package data).
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
@@ -138,9 +138,34 @@ def responses_dirs(cfg) -> list[Path]:
     return next((found for root in roots if (found := sorted(root.glob("responses-*")))), [])
 
 
-def publish(export: Path, config_file: Path, name: str, check_overrides: Optional[list[str]] = None) -> Path:
+def earlier_stages(cfg, earlier_configs: Sequence[Path] = ()) -> list[dict]:
+    """The stages before this SFT run, for a training record: each earlier config's text, and the run's
+    warm start (``sft.init_drafter``) with its step and validation curve when it is a local SFT export
+    (a published start has a training record of its own, which the name points to).
+
+    Returns ``[{"config_file", "config"}..., {"init_drafter", "step", "selected_tau", "curve", "init_drafter_of_it"}]``
+    (the last entry only with a local SFT start).
+    """
+    from specforge_opd.models.drafter import read_drafter_metadata
+
+    stages = [{"config_file": str(c), "config": Path(c).read_text()} for c in earlier_configs]
+    init = cfg.sft.init_drafter
+    if init and not init.startswith(SCHEME):
+        meta = read_drafter_metadata(cfg.resolve_path(init))
+        val = meta.get("validation") or {}
+        stages.append({"init_drafter": init, "step": meta.get("step"), "selected_tau": val.get("selected_tau"),
+                       "curve": [{"step": p["step"], "tau": p["tau"]} for p in val.get("curve", [])],
+                       "init_drafter_of_it": meta.get("init_drafter")})
+    return stages
+
+
+def publish(export: Path, config_file: Path, name: str, check_overrides: Optional[list[str]] = None,
+            earlier_configs: Sequence[Path] = ()) -> Path:
     """Copy the SFT export ``export`` (trained with ``config_file``) into the package as ``name``,
     with its training record and the recorded check; returns the published directory.
+
+    ``earlier_configs``: the configs of the stages before this one (a warm start from a local
+    export), recorded with their text (``earlier_stages``).
 
     Raises:
         ValueError: ``export`` has no SFT metadata with a validation curve.
@@ -186,6 +211,7 @@ def publish(export: Path, config_file: Path, name: str, check_overrides: Optiona
                        "plateau_step": meta["validation"].get("plateau_step"),
                        "paused_at": meta["validation"].get("paused_at")},
     }
+    record["earlier_stages"] = earlier_stages(cfg, earlier_configs)
     record["check"] = run_check(tmp, out_dir / "publish_check", check_overrides)
     (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
@@ -201,6 +227,8 @@ def cli(argv: Optional[list[str]] = None) -> int:
     pub.add_argument("--config", required=True)
     # no default: a name is what users' configs resolve, and publishing over a shipped one replaces it
     pub.add_argument("--name", required=True, help="the drafter's name; say what changed (e.g. ...-b8-mixmath-l3)")
+    pub.add_argument("--earlier-config", action="append", default=[], metavar="CONFIG",
+                     help="the config of a stage before this one (repeat, in order): recorded with its text")
     sub.add_parser("list", help="list the published drafters")
     args = p.parse_args(argv)
     if args.cmd == "list":
@@ -208,7 +236,8 @@ def cli(argv: Optional[list[str]] = None) -> int:
             r = read_record(n)
             print(f"{SCHEME}{n}: step {r['selected_step']}, validation tau {r['validation']['selected_tau']:.3f}")
         return 0
-    print(publish(Path(args.export), Path(args.config), args.name))
+    print(publish(Path(args.export), Path(args.config), args.name,
+                  earlier_configs=[Path(c) for c in args.earlier_config]))
     return 0
 
 
