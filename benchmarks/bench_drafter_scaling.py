@@ -55,8 +55,8 @@ POINTS = tuple(DATA) + tuple(DEPTHS)
 #: The point that is the config's own run (every sample, 1 layer): trained in its output.dir.
 BASE_POINT = "data4x"
 #: The shipped drafter (the long depth-3 run's plateau export) and the one it succeeded.
-PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-mixmath-l3"
-PREVIOUS = "published:smollm2-135m-instruct-dflash-b8-turns256-l3"
+PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3"
+PREVIOUS = "published:smollm2-135m-instruct-dflash-b8-mixmath-l3"
 
 
 def sh(args: list[str], log: Path) -> None:

@@ -19,9 +19,14 @@ def test_published_drafter_ships_with_its_training_record(name):
     assert len(curve) >= 2 and [p["step"] for p in curve] == sorted(p["step"] for p in curve)
     best = max(curve, key=lambda p: (p["tau"], -p["step"]))
     assert rec["selected_step"] == best["step"] and rec["validation"]["selected_tau"] == best["tau"]
-    # the record says why training stopped: the plateau rule (at its last point), or a pause
+    # the record says why training stopped: the plateau rule (at its last point), a pause, or the end
+    # of the recipe's schedule (sft.max_steps, an annealing stage)
+    import yaml
+
     v = rec["validation"]
-    assert (v["plateau_step"] == curve[-1]["step"]) != (v["paused_at"] is not None), v
+    reasons = [v["plateau_step"] == curve[-1]["step"], v["paused_at"] is not None,
+               curve[-1]["step"] == (yaml.safe_load(rec["config"])["sft"].get("max_steps"))]
+    assert sum(reasons) == 1, v
     chk = rec["check"]
     assert set(chk["drafter"]) == set(chk["ngram"]) == set(chk["datasets"])
     assert all(t >= 1.0 for t in chk["drafter"].values())
@@ -116,3 +121,19 @@ def test_a_second_stage_records_the_first_stage_it_started_from(tmp_path):
                     "curve": [{"step": 250, "tau": 1.5}, {"step": 500, "tau": 1.6}], "init_drafter_of_it": "published:start"}]
     # a published start has its own training record: only the earlier configs, if any, are kept
     assert published.earlier_stages(load_config(None, ["sft.init_drafter=published:start"])) == []
+
+
+def test_a_retired_drafter_is_refused_with_its_successor_and_recipe():
+    """A name users' configs may still hold fails with the drafter to use instead and the recipe that
+    retrains the old one, not a bare 'no such drafter'."""
+    from specforge_opd.config import load_config
+    from specforge_opd.errors import UserError
+
+    for old, (successor, recipe) in published.RETIRED.items():
+        assert old not in published.available() and successor in published.available()
+        assert (published.PUBLISHED_DIR.parents[2] / recipe).is_file()
+        with pytest.raises(ValueError, match=f"{old} no longer ships: use published:{successor}, or retrain it with "
+                                             f"scripts/train_sft.sh {recipe}"):
+            published.published_drafter(old)
+        with pytest.raises(UserError, match="no longer ships"):
+            load_config(None, [f"draft.path=published:{old}"]).resolve_path(f"published:{old}")

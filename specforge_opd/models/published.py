@@ -1,12 +1,14 @@
 """Drafters shipped in the package: the embedded target's published DFlash drafter.
 
 A user starts OPD from a published DFlash checkpoint; on the embedded default
-that is ``published:smollm2-135m-instruct-dflash-b8-mixmath-l3``, the plateau drafter
-of ``configs/small/sft_mix_math_l3.yaml`` (3 layers; chat, later turns, code and
-math prompts; the SFT stage trained until validation tau stopped rising). Its
-predecessors still ship and resolve: ``...-dflash-b8-turns256-l3`` (3 layers, chat
-only, ``configs/small/sft_turns256_l3.yaml``) and ``...-dflash-b8`` (1 layer,
-``configs/small/sft.yaml``). Any config path field that names a drafter accepts ``published:NAME``
+that is ``published:smollm2-135m-instruct-dflash-b8-mixv2-l3``, trained in two stages:
+``configs/small/sft_mix_v2_l3.yaml`` (3 layers; about 4.7K chat, later-turn, code and
+math prompts with 256-token responses, warm-started from ``...-dflash-b8-mixmath-l3`` at a
+constant LR) and ``configs/small/sft_mix_v2_l3_anneal.yaml`` (the LR annealed to 0). Its
+predecessors ``...-dflash-b8-mixmath-l3`` (3 layers, ``configs/small/sft_mix_math_l3.yaml``)
+and ``...-dflash-b8`` (1 layer, ``configs/small/sft.yaml``) still ship and resolve;
+``...-dflash-b8-turns256-l3`` no longer ships (``RETIRED``: resolving it names its successor and
+the recipe that retrains it). Any config path field that names a drafter accepts ``published:NAME``
 (``config.ExperimentConfig.resolve_path``).
 
 Each published drafter is an HF DFlash directory (``config.json``,
@@ -33,7 +35,10 @@ PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 #: Prefix of a config path that names a published drafter.
 SCHEME = "published:"
 #: The embedded target's published drafter: the one the main job and the OPD study start from.
-EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8-mixmath-l3"
+EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8-mixv2-l3"
+#: Drafters that no longer ship (the package carries the newest few): name -> (successor, recipe).
+RETIRED = {"smollm2-135m-instruct-dflash-b8-turns256-l3": ("smollm2-135m-instruct-dflash-b8-mixv2-l3",
+                                                           "configs/small/sft_turns256_l3.yaml")}
 RECORD_FILE = "training_record.json"
 #: The check recorded at publish time and recomputed by the test: prompts per eval set, new tokens.
 CHECK_PROMPTS = 4
@@ -51,9 +56,14 @@ def published_drafter(name: str) -> Path:
     """The directory of published drafter ``name``.
 
     Raises:
-        ValueError: no such drafter (the message lists the available ones).
+        ValueError: no such drafter (the message lists the available ones), or a retired one
+            (the message names its successor and the recipe that retrains it).
     """
     d = PUBLISHED_DIR / name
+    if not (d / "config.json").is_file() and name in RETIRED:
+        successor, recipe = RETIRED[name]
+        raise ValueError(f"{SCHEME}{name} no longer ships: use {SCHEME}{successor}, or retrain it with "
+                         f"scripts/train_sft.sh {recipe}")
     if not (d / "config.json").is_file():
         raise ValueError(f"{SCHEME}{name}: no such published drafter; available: "
                          + (", ".join(f"{SCHEME}{n}" for n in available()) or "none"))
