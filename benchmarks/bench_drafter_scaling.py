@@ -54,7 +54,7 @@ DATA = {"data1x": 1, "data2x": 2, "data4x": 4}
 POINTS = tuple(DATA) + tuple(DEPTHS)
 #: The point that is the config's own run (every sample, 1 layer): trained in its output.dir.
 BASE_POINT = "data4x"
-#: The shipped drafter (the long depth-3 run's plateau export) and the one it succeeded.
+#: The shipped drafter (the v2 mix's two-stage run, configs/small/sft_mix_v2_l3*.yaml) and the one it succeeded.
 PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3"
 PREVIOUS = "published:smollm2-135m-instruct-dflash-b8-mixmath-l3"
 

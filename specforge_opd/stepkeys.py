@@ -94,13 +94,11 @@ def reusable_step(cfg: ExperimentConfig, out: Path, step: str, key: str) -> Path
     Continued SFT (the matched-FLOPs baseline, a second stage) trains on the first stage's cached
     features instead of generating and capturing them again.
     """
-    own = step_dir(out, step, key)
-    if not is_done(own, key):
-        for root in reuse_roots(cfg):
-            other = step_dir(root, step, key)
-            if is_done(other, key):
-                return other
-    return own
+    for root in step_roots(cfg, out):
+        d = step_dir(root, step, key)
+        if is_done(d, key):
+            return d
+    return step_dir(out, step, key)
 
 
 def donor_steps(cfg: ExperimentConfig, out: Path, step: str, inputs: dict, vary: tuple[str, ...]) -> list[Path]:

@@ -60,11 +60,11 @@ def published_drafter(name: str) -> Path:
             (the message names its successor and the recipe that retrains it).
     """
     d = PUBLISHED_DIR / name
-    if not (d / "config.json").is_file() and name in RETIRED:
-        successor, recipe = RETIRED[name]
-        raise ValueError(f"{SCHEME}{name} no longer ships: use {SCHEME}{successor}, or retrain it with "
-                         f"scripts/train_sft.sh {recipe}")
     if not (d / "config.json").is_file():
+        if name in RETIRED:
+            successor, recipe = RETIRED[name]
+            raise ValueError(f"{SCHEME}{name} no longer ships: use {SCHEME}{successor}, or retrain it with "
+                             f"scripts/train_sft.sh {recipe}")
         raise ValueError(f"{SCHEME}{name}: no such published drafter; available: "
                          + (", ".join(f"{SCHEME}{n}" for n in available()) or "none"))
     return d
