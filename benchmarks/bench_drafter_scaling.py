@@ -26,7 +26,8 @@ point is the same command as the point with ``sft.pause_at_step=null`` (``--long
 (its best validation export up to it) and adds the whole run as ``POINT-long``.
 Writes ``benchmarks/results/drafter_scaling.json`` and ``sft_scaling.png``. Its top level holds
 the shipped drafter's (``published_*``), the drafter it succeeded (``previous_*``) and prompt
-lookup's mean tau. ``--phase shipped`` measures only those three, on the same cache, and
+lookup's mean tau, and ``extrapolation``: what the curves predict for 10x more data or depth
+(``extrapolate``; ``--phase fit`` refits it alone). ``--phase shipped`` measures only those three, on the same cache, and
 updates them in an existing result (the curve points' runs need not be on disk).
 
 A point with its own recipe (another data mix, say) is a run of its own config, trained with
@@ -57,6 +58,12 @@ BASE_POINT = "data4x"
 #: The shipped drafter (the v2 mix's two-stage run, configs/small/sft_mix_v2_l3*.yaml) and the one it succeeded.
 PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3"
 PREVIOUS = "published:smollm2-135m-instruct-dflash-b8-mixmath-l3"
+#: Two long runs that differ only in their response tokens: the same warm start, recipe (constant LR)
+#: and sources, one on a quarter of the other's prompts. Their tau per 10x tokens is the data slope
+#: measured past the fixed budget, where the budget points are still early on their curves.
+LONG_DATA_PAIR = ("mix-v2q-l3", "mix-v2-l3")
+#: The goal of the drafter's mean held-out tau; the extrapolation says what reaching it would take.
+GOAL_TAU = 1.8
 
 
 def sh(args: list[str], log: Path) -> None:
@@ -122,7 +129,8 @@ def point_overrides(name: str, sup: list[int], base_tokens: int) -> tuple[list[s
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/small/sft_scaling.yaml")
-    p.add_argument("--phase", choices=["train", "eval", "shipped", "run"], default=None)
+    p.add_argument("--phase", choices=["train", "eval", "shipped", "run", "fit"], default=None,
+                   help="fit: only recompute the extrapolation of an existing result")
     p.add_argument("--run", action="append", default=[], metavar="NAME=CONFIG",
                    help="with --phase run: a point trained by its own config (its output.dir), merged into --json")
     p.add_argument("--points", nargs="+", default=list(POINTS), choices=POINTS)
@@ -140,15 +148,16 @@ def main() -> int:
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0
+    if args.phase == "fit":
+        write(json.loads(Path(args.json).read_text()), Path(args.json))
+        return 0
     if args.phase == "shipped":
         table = json.loads(Path(args.json).read_text())
         table.update(shipped_rows(args, ROOT / args.out, []))
         from specforge_opd.precision import machine_info
 
         table["shipped_command"], table["shipped_machine"] = sys.argv, machine_info()
-        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
-        plot(table, Path(args.json).with_name("sft_scaling.png"))
-        print(render(table))
+        write(table, Path(args.json))
         return 0
 
     if args.phase == "run":
@@ -162,9 +171,7 @@ def main() -> int:
         from specforge_opd.precision import machine_info
 
         table.setdefault("runs_commands", []).append({"command": sys.argv, "machine": machine_info()})
-        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
-        plot(table, Path(args.json).with_name("sft_scaling.png"))
-        print(render(table))
+        write(table, Path(args.json))
         return 0
 
     from specforge_opd.config import load_config
@@ -186,10 +193,16 @@ def main() -> int:
             sh([str(ROOT / "scripts/train_sft.sh"), args.config, *where, *ov, *extra], out / "logs" / f"{name}.log")
     if args.phase == "eval":
         table = evaluate(args, cfg, out, sup)
-        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
-        plot(table, Path(args.json).with_name("sft_scaling.png"))
-        print(render(table))
+        write(table, Path(args.json))
     return 0
+
+
+def write(table: dict, path: Path) -> None:
+    """Store ``table`` with its extrapolation refitted, redraw ``sft_scaling.png`` beside it, print the table."""
+    table["extrapolation"] = extrapolate(table)
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    plot(table, path.with_name("sft_scaling.png"))
+    print(render(table))
 
 
 def budget_and_long(name: str, validation: dict, budget: int, final: Path) -> list[dict]:
@@ -381,6 +394,90 @@ def plot(table: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _line_fit(xs: list[float], ys: list[float]) -> dict:
+    """Least-squares line ``y = intercept + slope * x`` over at least two points, with its largest residual."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        raise ValueError(f"a line needs two distinct x values, got {xs}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    return {"slope": slope, "intercept": intercept, "points": n,
+            "max_residual": max(abs(y - intercept - slope * x) for x, y in zip(xs, ys))}
+
+
+def extrapolate(table: dict, goal: float = GOAL_TAU) -> dict:
+    """What the curves predict for 10x more data or depth, from the recorded points (no new runs).
+
+    Fits, each on mean held-out tau (the three evaluation sets), linear in log10 of the varied
+    quantity (the data points' gains shrink with each doubling, so a line in tokens would
+    overpredict):
+
+    * ``data_at_budget``: the fixed-budget points of one layer and the base recipe (``data1x`` ..
+      ``data4x``, about 1M positions each), tau against log10 response tokens;
+    * ``data_long``: the two long runs of ``LONG_DATA_PAIR`` (same warm start and constant LR,
+      4.1x apart in tokens), tau against log10 response tokens;
+    * ``depth_at_budget``: the fixed-budget points on the largest base data (1, 2, 3 layers),
+      tau against log10 layers, and linear per layer.
+
+    Predictions add each slope to the shipped drafter's mean tau (``published_mean_tau``): at 10x
+    its response tokens, at 10x its depth (30 layers, the target's own depth), and the token
+    multiple each data slope needs to reach ``goal``. They assume the slopes carry over to the
+    shipped recipe (warm start, anneal), which they were not measured at: extrapolations, not
+    measurements. Returns ``{fit name: {slope, intercept, points, max_residual, unit}, "predict":
+    {...}}``; a fit whose points are not in ``table`` is left out.
+    """
+    import math
+
+    pts = {p["name"]: p for p in table["points"]}
+    tau = lambda p: p["eval"]["mean_tau"]  # noqa: E731
+    base = [p for p in table["points"] if not p.get("config") and not p["name"].endswith("-long")]
+    fits: dict = {}
+    data = [p for p in base if p["layers"] == 1]
+    if len({p["response_tokens"] for p in data}) >= 2:
+        fits["data_at_budget"] = dict(_line_fit([math.log10(p["response_tokens"]) for p in data], [tau(p) for p in data]),
+                                      unit="tau per 10x response tokens", names=[p["name"] for p in data])
+    if all(n in pts for n in LONG_DATA_PAIR):
+        pair = [pts[n] for n in LONG_DATA_PAIR]
+        fits["data_long"] = dict(_line_fit([math.log10(p["response_tokens"]) for p in pair], [tau(p) for p in pair]),
+                                 unit="tau per 10x response tokens", names=list(LONG_DATA_PAIR))
+    if base:
+        most = max(p["response_tokens"] for p in base)
+        deep = sorted((p for p in base if p["response_tokens"] == most), key=lambda p: p["layers"])
+        if len({p["layers"] for p in deep}) >= 2:
+            fits["depth_at_budget"] = dict(_line_fit([math.log10(p["layers"]) for p in deep], [tau(p) for p in deep]),
+                                           unit="tau per 10x layers", names=[p["name"] for p in deep],
+                                           per_layer=_line_fit([p["layers"] for p in deep], [tau(p) for p in deep])["slope"])
+    shipped = table["published_mean_tau"]
+    predict: dict = {"from": shipped, "goal": goal}
+    for name in ("data_at_budget", "data_long"):
+        if name in fits and fits[name]["slope"] > 0:
+            k = fits[name]["slope"]
+            predict[name] = {"at_10x_tokens": shipped + k, "tokens_multiple_for_goal": 10 ** ((goal - shipped) / k)}
+    if "depth_at_budget" in fits:
+        predict["depth_at_budget"] = {"at_10x_layers": shipped + fits["depth_at_budget"]["slope"]}
+    return {**fits, "predict": predict}
+
+
+def render_extrapolation(ex: dict) -> str:
+    """The README's lines for ``extrapolate``'s result."""
+    p = ex["predict"]
+    lines = [f"Extrapolation from the shipped drafter's {p['from']:.3f} (fits linear in log10 of the varied quantity; "
+             "predictions, not measurements):", "",
+             "| fit | points | slope | largest residual | at 10x | multiple for " + f"{p['goal']:.1f} |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name in ("data_at_budget", "data_long", "depth_at_budget"):
+        if name not in ex:
+            continue
+        f, q = ex[name], p.get(name, {})
+        at = q.get("at_10x_tokens", q.get("at_10x_layers"))
+        need = q.get("tokens_multiple_for_goal")
+        lines.append(f"| {name} | {', '.join(f['names'])} | {f['slope']:+.3f} {f['unit']} | {f['max_residual']:.3f} | "
+                     + (f"{at:.3f}" if at is not None else "-") + " | "
+                     + (f"{need:.2g}x the tokens" if need is not None else "-") + " |")
+    return "\n".join(lines)
+
+
 def label(table: dict, key: str = "published") -> str:
     """The short name of a published row: the suffix after ``smollm2-135m-instruct-dflash-`` (a result
     written before the successor shipped has no name: its published row is ``b8``)."""
@@ -410,6 +507,8 @@ def render(table: dict) -> str:
                   "compares only within the run; the three evaluation sets compare every row): "
                   + "; ".join(f"{pt['name']}: `{pt['config']}`, sources {', '.join(pt['train_sources'])}" for pt in own
                               if not pt["name"].endswith("-long")) + "."]
+    if table.get("extrapolation"):
+        lines += ["", render_extrapolation(table["extrapolation"])]
     return "\n".join(lines)
 
 

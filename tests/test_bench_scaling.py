@@ -72,3 +72,32 @@ def test_a_run_spec_without_a_config_is_refused():
     bench = _bench()
     with pytest.raises(SystemExit, match="expected NAME=CONFIG"):
         bench.own_run_point("mix-l3", None)
+
+
+def test_extrapolation_fits_log_tokens_and_layers_and_predicts_from_the_shipped_drafter():
+    """Tau linear in log10 tokens (+0.05 per 10x) and log10 layers: the fits recover the slopes, and the
+    predictions start from the shipped drafter's tau."""
+    import math
+
+    bench = _bench()
+    pt = lambda name, tokens, layers, tau, **kw: {"name": name, "response_tokens": tokens, "layers": layers,  # noqa: E731
+                                                  "eval": {"mean_tau": tau}, **kw}
+    points = [pt("data1x", 1e5, 1, 1.10), pt("data2x", 2e5, 1, 1.10 + 0.05 * math.log10(2)),
+              pt("data4x", 4e5, 1, 1.10 + 0.05 * math.log10(4)),
+              pt("depth3", 4e5, 3, 1.10 + 0.05 * math.log10(4) + 0.02 * math.log10(3)),
+              pt("depth3-long", 4e5, 3, 1.3),  # a long run is no budget point
+              pt(bench.LONG_DATA_PAIR[0], 2e5, 3, 1.40, config="a.yaml"), pt(bench.LONG_DATA_PAIR[1], 2e6, 3, 1.43, config="b.yaml")]
+    ex = bench.extrapolate({"points": points, "published_mean_tau": 1.5}, goal=1.6)
+    assert ex["data_at_budget"]["names"] == ["data1x", "data2x", "data4x"]
+    assert ex["data_at_budget"]["slope"] == pytest.approx(0.05) and ex["data_at_budget"]["max_residual"] < 1e-12
+    assert ex["data_long"]["slope"] == pytest.approx(0.03)
+    assert ex["depth_at_budget"]["names"] == ["data4x", "depth3"]
+    assert ex["depth_at_budget"]["slope"] == pytest.approx(0.02)
+    assert ex["predict"]["data_at_budget"]["at_10x_tokens"] == pytest.approx(1.55)
+    # 0.1 tau at 0.05 per 10x: 100x the tokens
+    assert ex["predict"]["data_at_budget"]["tokens_multiple_for_goal"] == pytest.approx(100.0)
+    assert ex["predict"]["depth_at_budget"]["at_10x_layers"] == pytest.approx(1.52)
+    assert "| data_long |" in bench.render_extrapolation(ex)
+    # without the long pair or a second depth, those fits are left out, not made up
+    short = bench.extrapolate({"points": points[:3], "published_mean_tau": 1.5})
+    assert set(short) == {"data_at_budget", "predict"}
