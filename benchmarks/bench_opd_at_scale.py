@@ -55,6 +55,12 @@ VARIANTS = {
     "eq1_full_start_lr": ["training.learning_rate=1e-3", "training.lr_scheduler=constant"],
     "naive_start_lr": ["training.loss=naive_target_assisted", "training.learning_rate=1e-3",
                        "training.lr_scheduler=constant"],
+    # a start whose recipe ended by annealing its LR to 0 (the shipped -b8-mixv2-l3): the paper's peak of 3e-4
+    # knocks it off its minimum (validation tau dips at the peak and recovers as the cosine decays), so a
+    # peak about where the start's own anneal still gained; its baselines take the same peak
+    # (--baseline-overrides training.learning_rate=1e-4 --baseline-tag lr1e-4)
+    "eq1_full_lr1e-4": ["training.learning_rate=1e-4"],
+    "naive_lr1e-4": ["training.loss=naive_target_assisted", "training.learning_rate=1e-4"],
 }
 SOURCES = ("opd_pool", "fresh")
 
@@ -140,12 +146,13 @@ def baselines(args, match: Path | None, pool: int, seed: int, ov: list[str], **b
 
     rows: dict[str, dict] = {}
     for source in args.baselines:
-        out = Path(args.out) / f"p{pool}" / f"sft-{source}-s{seed}"
+        out = Path(args.out) / f"p{pool}" / f"sft-{baseline_label(source, args.baseline_tag, '-')}-s{seed}"
         if args.phase == "eval" and not (out / "final").is_dir():
             continue
-        res = run_fair_sft(args.sft_config, args.opd_config, source=source, out=out, opd_out=match, overrides=ov,
-                           **budget)
-        rows.update(baseline_rows(res, source, pool, seed))
+        # the user's overrides come after the start's recipe in run_fair_sft: they change it on purpose
+        res = run_fair_sft(args.sft_config, args.opd_config, source=source, out=out, opd_out=match,
+                           overrides=ov + list(args.baseline_overrides), **budget)
+        rows.update(baseline_rows(res, baseline_label(source, args.baseline_tag), pool, seed))
     return rows
 
 
@@ -163,6 +170,12 @@ def opd_rows(run: Path, name: str, pool: int, seed: int) -> dict[str, dict]:
         out[f"{name} last p{pool} s{seed}"] = {"path": last["export"], "kind": "opd", "select": "last", "pool": pool,
                                        "seed": seed, "drafter_flops": last["drafter_flops"], "refresh": last["step"]}
     return out
+
+
+def baseline_label(source: str, tag: str | None, sep: str = " ") -> str:
+    """A baseline's source, with the tag of a changed recipe (``--baseline-tag``) when there is one: its rows and
+    run directory never mix with the start's-own-recipe baseline of the same source."""
+    return f"{source}{sep}{tag}" if tag else source
 
 
 def baseline_rows(res: dict, source: str, pool: int, seed: int) -> dict[str, dict]:
@@ -250,6 +263,10 @@ def main() -> int:
     p.add_argument("--match-from", metavar="JSON", default=None,
                    help="where the --match run is not on disk: take its FLOPs from this result (e.g. "
                    "benchmarks/results/opd_at_scale.json) and train only the baselines")
+    p.add_argument("--baseline-overrides", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="change the baselines' recipe (the start's own by default), e.g. training.learning_rate=1e-4 "
+                   "to match an OPD variant's step size; needs --baseline-tag")
+    p.add_argument("--baseline-tag", default=None, help="names the changed recipe in the baselines' rows and directories")
     p.add_argument("--sft-config", default="configs/small/sft.yaml")
     p.add_argument("--opd-config", default="configs/small/opd.yaml")
     p.add_argument("--out", default="runs/opd_scale")
@@ -263,6 +280,8 @@ def main() -> int:
     p.add_argument("--import-eval", nargs="+", default=[], metavar="EVAL_JSON",
                    help="store the replays of eval.json files written before the replay store (then exit)")
     args = p.parse_args()
+    if bool(args.baseline_overrides) != bool(args.baseline_tag):
+        p.error("--baseline-overrides and --baseline-tag go together: a changed recipe needs its own rows and directories")
     out = ROOT / args.out
     if args.import_eval:
         for f in args.import_eval:
@@ -451,12 +470,13 @@ def collect_curves(args) -> dict:
                         "finished": (base / f"{v}-s{seed}" / "final").is_dir(),
                         "curve": [{k: p[k] for k in ("step", "tau", "drafter_flops", "opd_flops")} for p in curve]}
             for source in args.baselines:
-                train_dirs = sorted((base / f"sft-{source}-s{seed}").glob("train-*"))
+                run_dir = base / f"sft-{baseline_label(source, args.baseline_tag, '-')}-s{seed}"
+                train_dirs = sorted(run_dir.glob("train-*"))
                 curve = read_curve(train_dirs[-1]) if train_dirs else []
                 if curve:
-                    runs[f"SFT fair {source} p{pool} s{seed}"] = {
+                    runs[f"SFT fair {baseline_label(source, args.baseline_tag)} p{pool} s{seed}"] = {
                         "kind": "sft", "source": source, "pool": pool, "seed": seed,
-                        "finished": (base / f"sft-{source}-s{seed}" / "final").is_dir(),
+                        "overrides": list(args.baseline_overrides), "finished": (run_dir / "final").is_dir(),
                         "curve": [{k: p[k] for k in ("step", "tau", "drafter_flops")} for p in curve]}
     for r in runs.values():
         best = max(r["curve"], key=lambda p: (p["tau"], -p["step"]))

@@ -604,3 +604,32 @@ def test_opd_at_scale_recorded_opd_rows_without_counts_get_an_unpaired_baseline_
     paired = bench.merge(_scale_table(0, 1.32, 1.30), _scale_table(1, 1.26, 1.25))
     assert all(e["over_best_baseline"].get("paired") is None for e in paired["ratios"])
     assert "unpaired" not in bench.render(paired)
+
+
+def test_opd_at_scale_baselines_with_a_changed_recipe_get_their_own_rows_and_dirs(tmp_path, monkeypatch):
+    """--baseline-overrides reach run_fair_sft after the seed's overrides (they change the start's recipe), and
+    --baseline-tag names the rows and run directories, so they never mix with the start-recipe baselines."""
+    import argparse
+
+    import specforge_opd.stages.baselines as baselines_mod
+
+    bench = _bench_opd_at_scale()
+    calls = []
+
+    def fake_run_fair_sft(sft_config, opd_config, *, source, out, opd_out, overrides, **budget):
+        calls.append((source, out, overrides))
+        return {"matched": out / "m", "best_val": out / "final", "steps": 10, "selected_step": 5, "source": source,
+                "curve": [{"step": 5, "drafter_flops": 1.0}, {"step": 10, "drafter_flops": 2.0}]}
+
+    monkeypatch.setattr(baselines_mod, "run_fair_sft", fake_run_fair_sft)
+    args = argparse.Namespace(baselines=["fresh"], out=str(tmp_path), phase="train", sft_config="s.yaml",
+                              opd_config="o.yaml", baseline_overrides=["training.learning_rate=1e-4"],
+                              baseline_tag="lr1e-4")
+    rows = bench.baselines(args, tmp_path / "opd", 192, 0, ["training.seed=0"])
+    assert calls == [("fresh", tmp_path / "p192" / "sft-fresh-lr1e-4-s0", ["training.seed=0", "training.learning_rate=1e-4"])]
+    assert set(rows) == {"SFT fair fresh lr1e-4 matched p192 s0", "SFT fair fresh lr1e-4 best-val p192 s0"}
+    untagged = argparse.Namespace(**{**vars(args), "baseline_overrides": [], "baseline_tag": None})
+    calls.clear()
+    assert set(bench.baselines(untagged, tmp_path / "opd", 192, 0, [])) == {"SFT fair fresh matched p192 s0",
+                                                                           "SFT fair fresh best-val p192 s0"}
+    assert calls[0][1] == tmp_path / "p192" / "sft-fresh-s0"
