@@ -323,6 +323,13 @@ def test_main_job_compares_against_the_fair_baseline(tmp_path, monkeypatch):
     assert seen["drafters"]["SFT + matched-FLOPs SFT"] == tmp_path / "m"
     rec = json.loads(summary.read_text())["baseline_recipe"]
     assert rec["recipe"] == "start" and rec["steps"] == 9 and rec["selected_step"] == 3
+    assert seen["fair"]["overrides"] == []
+    # --baseline-lr opd: the baseline's peak rate is the OPD config's, after any override of the user's
+    assert compare.main(["--sft-config", str(sft_yaml), "--opd-config", str(opd_yaml), "--out", str(tmp_path / "cmp"),
+                         "--summary", str(summary), "--baseline-lr", "opd", "eval.num_prompts=2"]) == 0
+    opd_lr = compare.load_config(opd_yaml).training.learning_rate
+    assert seen["fair"]["overrides"] == ["eval.num_prompts=2", f"training.learning_rate={opd_lr}"]
+    assert json.loads(summary.read_text())["baseline_recipe"]["learning_rate"] == "opd"
 
 
 def test_fair_baseline_matches_a_recorded_opd_budget_without_its_run(tmp_path, monkeypatch):

@@ -9,6 +9,9 @@ drafters' metadata (``specforge_opd.eval.flops``): the OPD stage's ``drafter_bud
 (drafter forward + backward + the teacher's lm_head) divided by the cost of one SFT
 optimizer step on (b)'s responses gives (b)'s steps. ``--baseline sft_data`` keeps the
 older baseline (the SFT stage's data and the SFT config's recipe), which is not fair.
+``--baseline-lr opd`` gives (b) OPD's peak learning rate in place of the start's: the same step
+size on both sides, for a start whose own recipe ended by annealing to 0, where its peak
+would knock (b) off the start's minimum before it learns anything.
 
 ``python -m specforge_opd.stages.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml``
 """
@@ -215,6 +218,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "conversations of the SFT pool, or the SFT stage's own data (the old matched baseline)")
     p.add_argument("--recipe", choices=["start", "config"], default="start",
                    help="the baseline's training recipe: the start drafter's own (default, fair) or the SFT config's")
+    p.add_argument("--baseline-lr", choices=["start", "opd"], default="start",
+                   help="the baseline's peak learning rate: its recipe's (default) or the OPD config's "
+                        "(training.learning_rate), so that both sides take the same step size")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides applied to both configs")
     args = p.parse_args(argv)
     from specforge_opd.eval.evaluate import evaluate
@@ -242,8 +248,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         from specforge_opd.stages.baselines import run_fair_sft
 
+        # run_fair_sft applies these after the recipe, and to both configs: the OPD config keeps its own rate
+        same_lr = [f"training.learning_rate={opd_cfg.training.learning_rate}"] if args.baseline_lr == "opd" else []
         fair = run_fair_sft(args.sft_config, args.opd_config, source=args.baseline, recipe=args.recipe,
-                            overrides=args.overrides)
+                            overrides=list(args.overrides) + same_lr)
         drafters = {"SFT": start, "SFT + matched-FLOPs SFT": fair["matched"]}
         if fair["selected_step"] != fair["steps"]:
             drafters["SFT + best-val SFT"] = fair["best_val"]
@@ -266,6 +274,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                        "baseline_recipe": None if fair is None else {
                                            "recipe": args.recipe, "source": fair["recipe"].get("source"),
                                            "note": fair["recipe_note"], "steps": fair["steps"],
+                                           "learning_rate": args.baseline_lr,
                                            "selected_step": fair["selected_step"]},
                                        "main_job_sft": _main_job_sft(sft_cfg)})
         atomic_write_text(Path(args.summary), json.dumps(summary, indent=2))
