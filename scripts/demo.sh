@@ -13,7 +13,8 @@ PY=.venv/bin/python
 START=()
 if [ "${1:-}" = "--own-sft" ]; then
   shift
-  START=("draft.path=runs/tiny/sft/final" "draft.num_hidden_layers=1")
+  # the short SFT's 1-layer drafter, at the OPD rate measured for it (configs/tiny/opd.yaml)
+  START=("draft.path=runs/tiny/sft/final" "draft.num_hidden_layers=1" "training.learning_rate=1.5e-3")
 fi
 stage() { printf '\n=== %s (%s) ===\n' "$1" "$(date +%H:%M:%S)"; }
 t0=$(date +%s)
@@ -29,6 +30,6 @@ t3=$(date +%s)
 stage "matched-FLOPs SFT baseline + evaluation"
 # stage times of a resumed run count only this run's work
 $PY -m specforge_opd.stages.compare --sft-config configs/tiny/sft.yaml --opd-config configs/tiny/opd.yaml \
-  --summary runs/tiny/summary.json --stage-seconds assets=$((t1 - t0)) sft=$((t2 - t1)) opd=$((t3 - t2)) -- "$@" "${START[@]}"
+  --baseline-lr opd --summary runs/tiny/summary.json --stage-seconds assets=$((t1 - t0)) sft=$((t2 - t1)) opd=$((t3 - t2)) -- "$@" "${START[@]}"
 echo
 echo "demo finished in $(( $(date +%s) - t0 ))s; OPD report: runs/tiny/opd/report.md; summary: runs/tiny/summary.json"
