@@ -146,7 +146,7 @@ def baselines(args, match: Path | None, pool: int, seed: int, ov: list[str], **b
 
     rows: dict[str, dict] = {}
     for source in args.baselines:
-        out = Path(args.out) / f"p{pool}" / f"sft-{baseline_label(source, args.baseline_tag, '-')}-s{seed}"
+        out = baseline_dir(Path(args.out) / f"p{pool}", source, args.baseline_tag, seed)
         if args.phase == "eval" and not (out / "final").is_dir():
             continue
         # the user's overrides come after the start's recipe in run_fair_sft: they change it on purpose
@@ -176,6 +176,11 @@ def baseline_label(source: str, tag: str | None, sep: str = " ") -> str:
     """A baseline's source, with the tag of a changed recipe (``--baseline-tag``) when there is one: its rows and
     run directory never mix with the start's-own-recipe baseline of the same source."""
     return f"{source}{sep}{tag}" if tag else source
+
+
+def baseline_dir(pool_dir: Path, source: str, tag: str | None, seed: int) -> Path:
+    """Where one fair baseline of a (pool, seed) runs: the training phase and the curves read the same place."""
+    return pool_dir / f"sft-{baseline_label(source, tag, '-')}-s{seed}"
 
 
 def baseline_rows(res: dict, source: str, pool: int, seed: int) -> dict[str, dict]:
@@ -470,7 +475,7 @@ def collect_curves(args) -> dict:
                         "finished": (base / f"{v}-s{seed}" / "final").is_dir(),
                         "curve": [{k: p[k] for k in ("step", "tau", "drafter_flops", "opd_flops")} for p in curve]}
             for source in args.baselines:
-                run_dir = base / f"sft-{baseline_label(source, args.baseline_tag, '-')}-s{seed}"
+                run_dir = baseline_dir(base, source, args.baseline_tag, seed)
                 train_dirs = sorted(run_dir.glob("train-*"))
                 curve = read_curve(train_dirs[-1]) if train_dirs else []
                 if curve:
