@@ -4,10 +4,16 @@ Every embedded experiment is paid in target forwards. Measured side by side on t
 machine (run it alone), each "before" the way the pipeline ran before continuous batching:
 
 - ``rollout``: the OPD rollout of ``--rollout-prompts`` prompts of ``configs/tiny/opd.yaml``'s
-  pool with the 1-layer published ``-b8`` drafter: before = length-bucketed batches of 8 (the old
-  ``rollout.batch_size``), each run until its last row ends; after = one continuous batch of
-  ``--rollout-batch`` rows. ``rollout_of_compute_bound``: after's tokens/s over the bound of the
-  run's target + drafter FLOPs per token at one 2048^3 matmul's rate (``bench_rollout.py``).
+  pool with the 1-layer published ``-b8`` drafter: after = one continuous batch of
+  ``--rollout-batch`` rows. Two befores, both length-bucketed batches of 8 (the old
+  ``rollout.batch_size``), each run until its last row ends: ``before_revision`` runs the
+  package as it was at ``--before-rev`` (the last commit before continuous batching, the code
+  the issue measured; ``rollout_at_revision.py`` in a subprocess on an extracted copy), and
+  ``before`` drives today's engine that way. ``rollout_speedup`` is after over
+  ``before_revision`` (what the change bought); ``rollout_speedup_same_code`` is after over
+  ``before`` (what the batching alone buys today). ``rollout_of_compute_bound``: after's
+  tokens/s over the bound of the run's target + drafter FLOPs per token at one 2048^3
+  matmul's rate (``bench_rollout.py``).
 - ``generation``: plain greedy generation for the SFT pool of ``configs/small/sft.yaml``
   (mixed prompt lengths, its stop tokens, 128 new tokens) at batch ``--gen-batch``: generated
   tokens per second of the whole job, prefill included, before (length-bucketed batches)
@@ -27,7 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,10 +77,55 @@ def rollout_setup(cfg, bundle, drafter, n: int):
     return engine, prompts, ids
 
 
+#: The last commit before continuous batching: the rollout code the throughput issue measured.
+BEFORE_REV = "0afb736"
+
+
+def rollout_at_revision(rev: str, prompts: list, ids: list, drafter: str, batch: int, threads: int) -> dict:
+    """The same rollout with the package at git revision ``rev``, in a subprocess (``rollout_at_revision.py``).
+
+    The revision's tree is extracted with ``git archive`` into a temporary directory that leads
+    ``PYTHONPATH`` (removed afterwards); its own ``configs/tiny/opd.yaml`` gives the rollout
+    settings. Returns that script's JSON (seconds, completion_tokens, tau, records as lists).
+
+    Raises:
+        SystemExit: the revision is unknown, its run failed (the tail of its output is shown),
+            or another copy of the package was imported than the revision's.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f"specforge_opd-{rev}-"))
+    try:
+        arch = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True)
+        if arch.returncode:
+            raise SystemExit(f"--before-rev {rev}: git archive failed: {arch.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=arch.stdout, check=True)
+        (tmp / "prompts.json").write_text(json.dumps({"ids": ids, "prompts": prompts}))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks/rollout_at_revision.py"), "--config",
+                              str(tmp / "configs/tiny/opd.yaml"), "--drafter", drafter, "--batch", str(batch),
+                              "--prompts", str(tmp / "prompts.json"), "--out", str(tmp / "out.json"),
+                              "--threads", str(threads)], env=env, capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"--before-rev {rev}: the rollout failed:\n{(run.stdout + run.stderr)[-2000:]}")
+        out = json.loads((tmp / "out.json").read_text())
+        if not Path(out["package"]).is_relative_to(tmp.resolve()):
+            raise SystemExit(f"--before-rev {rev}: imported {out['package']}, not the revision's copy under {tmp}")
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def same_as_lists(records, listed: list) -> bool:
+    """True when ``records`` (RolloutRecord) hold the tokens, anchors, drafts and acceptances of ``listed``."""
+    keys = ("input_ids", "anchors", "drafts", "accepted")
+    return len(records) == len(listed) and all(
+        r.sample_id == x["sample_id"] and all(getattr(r, k).tolist() == x[k] for k in keys) for r, x in zip(records, listed))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollout-prompts", type=int, default=48)
     ap.add_argument("--rollout-batch", type=int, default=16)
+    ap.add_argument("--before-rev", default=BEFORE_REV, help="git revision whose rollout code is the 'before'")
     ap.add_argument("--gen-prompts", type=int, default=128)
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=128)
@@ -102,8 +157,10 @@ def main() -> None:
     cfg = load_config(ROOT / "configs/tiny/opd.yaml", [])
     bundle = load_target(cfg.target)
     tok, model = bundle.tokenizer, bundle.model
-    drafter = load_drafter("published:smollm2-135m-instruct-dflash-b8", target_config=model.config).eval()
+    drafter_name = "published:smollm2-135m-instruct-dflash-b8"
+    drafter = load_drafter(drafter_name, target_config=model.config).eval()
     engine, prompts, ids = rollout_setup(cfg, bundle, drafter, args.rollout_prompts)
+    old = rollout_at_revision(args.before_rev, prompts, ids, drafter_name, 8, args.threads)
     t = time.perf_counter()
     by_id = {}
     for idx in length_batches([len(p) for p in prompts], 8):
@@ -117,6 +174,9 @@ def main() -> None:
     toks = sum(r.completion_tokens for r in after)
     bound = gflops * 1e9 / (rollout_flops(model.config, drafter.config, after) / toks)
     res["rollout"] = {"prompts": len(prompts), "max_new_tokens": cfg.rollout.max_new_tokens, "teacher": cfg.rollout.teacher,
+                      "before_revision": {"revision": args.before_rev, "batch": 8, "seconds": old["seconds"],
+                                          "tok_s": old["completion_tokens"] / old["seconds"], "tau": old["tau"],
+                                          "records_equal": same_as_lists(after, old["records"])},
                       "before": {"batch": 8, "tok_s": toks / before_s, "seconds": before_s},
                       "after": {"batch": args.rollout_batch, "tok_s": toks / after_s, "seconds": after_s},
                       "tau": tau_of(after), "compute_bound_tok_s": bound, "records_equal": same_records(before, after)}
@@ -178,13 +238,14 @@ def main() -> None:
     print(json.dumps(res["capture"]), flush=True)
 
     res.update(
-        rollout_speedup=res["rollout"]["after"]["tok_s"] / res["rollout"]["before"]["tok_s"],
+        rollout_speedup=res["rollout"]["after"]["tok_s"] / res["rollout"]["before_revision"]["tok_s"],
+        rollout_speedup_same_code=res["rollout"]["after"]["tok_s"] / res["rollout"]["before"]["tok_s"],
         rollout_of_compute_bound=res["rollout"]["after"]["tok_s"] / bound,
         generation_of_decode=res["generation"]["after_tok_s"] / decode_tok_s,
         capture_speedup=res["capture"]["after_samples_per_s"] / res["capture"]["before_samples_per_s"],
         decode_of_chain=decode_tok_s / chain,
     )
-    print(json.dumps({k: res[k] for k in ("rollout_speedup", "rollout_of_compute_bound", "generation_of_decode",
+    print(json.dumps({k: res[k] for k in ("rollout_speedup", "rollout_speedup_same_code", "rollout_of_compute_bound", "generation_of_decode",
                                           "capture_speedup", "decode_of_chain")}, indent=1))
     Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.json}")

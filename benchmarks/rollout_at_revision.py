@@ -1,0 +1,77 @@
+"""Time the embedded OPD rollout with the package as it was at another git revision.
+
+``bench_throughput.py`` runs this in a subprocess whose ``PYTHONPATH`` starts with an
+extracted copy of that revision (``git archive``), so "before" is the code that ran when
+the throughput issue was measured, not today's engine driven the old way. It uses only
+calls whose signatures have not moved since then (``load_config``, ``load_target``,
+``load_drafter``, ``SpeculativeEngine.generate``, ``length_batches``).
+
+Input (``--prompts``): JSON ``{"ids": [str], "prompts": [[int]]}``, the prompts already
+rendered and tokenized by the caller, so both sides roll out the same token ids.
+Output (``--out``): JSON with ``package`` (the imported package's directory, to check that
+the revision's copy ran), ``seconds`` (the batches' generate calls, after a warm-up of two
+prompts), ``completion_tokens``, ``tau`` and ``records`` (per prompt: ``sample_id`` and the
+lists ``input_ids``, ``anchors``, ``drafts``, ``accepted``, for an equality check).
+
+    PYTHONPATH=/tmp/rev .venv/bin/python benchmarks/rollout_at_revision.py --config /tmp/rev/configs/tiny/opd.yaml \\
+        --drafter published:smollm2-135m-instruct-dflash-b8 --batch 8 --prompts p.json --out o.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="the revision's OPD config (its rollout settings)")
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--batch", type=int, default=8, help="prompts per length-bucketed batch")
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import specforge_opd
+    from specforge_opd.config import load_config
+    from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
+    from specforge_opd.models.target import load_target
+    from specforge_opd.rollout.engine import SpeculativeEngine, length_batches
+    from specforge_opd.rollout.records import tau_of
+
+    given = json.loads(Path(args.prompts).read_text())
+    ids, prompts = [str(s) for s in given["ids"]], [[int(t) for t in p] for p in given["prompts"]]
+    cfg = load_config(args.config, [])
+    bundle = load_target(cfg.target)
+    drafter = load_drafter(args.drafter, target_config=bundle.model.config).eval()
+    engine = SpeculativeEngine(bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids,
+                               mask_token_id=drafter_mask_token_id(drafter), max_context=cfg.target.max_context,
+                               too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk)
+    engine.generate(prompts[:2], ids[:2])  # warm-up
+    by_id = {}
+    t = time.perf_counter()
+    for idx in length_batches([len(p) for p in prompts], args.batch):
+        for r in engine.generate([prompts[i] for i in idx], [ids[i] for i in idx]):
+            by_id[r.sample_id] = r
+    seconds = time.perf_counter() - t
+    records = [by_id[s] for s in ids]
+    out = {
+        "package": str(Path(specforge_opd.__file__).resolve().parent),
+        "batch": args.batch,
+        "seconds": seconds,
+        "completion_tokens": sum(r.completion_tokens for r in records),
+        "tau": tau_of(records),
+        "records": [{"sample_id": r.sample_id, **{k: getattr(r, k).tolist() for k in ("input_ids", "anchors", "drafts", "accepted")}}
+                    for r in records],
+    }
+    Path(args.out).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
