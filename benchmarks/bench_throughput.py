@@ -11,7 +11,10 @@ machine (run it alone), each "before" the way the pipeline ran before continuous
   the issue measured; ``rollout_at_revision.py`` in a subprocess on an extracted copy), and
   ``before`` drives today's engine that way. ``rollout_speedup`` is after over
   ``before_revision`` (what the change bought); ``rollout_speedup_same_code`` is after over
-  ``before`` (what the batching alone buys today). ``rollout_of_compute_bound``: after's
+  ``before`` (what the batching alone buys today; ``bench_throughput_xeon.json``, written before
+  the revision run existed, has only this ratio, under the name ``rollout_speedup``). Each of
+  the three rollouts runs once, one after another: on a machine that drifts, compare them
+  within one run only. ``rollout_of_compute_bound``: after's
   tokens/s over the bound of the run's target + drafter FLOPs per token at one 2048^3
   matmul's rate (``bench_rollout.py``).
 - ``generation``: plain greedy generation for the SFT pool of ``configs/small/sft.yaml``
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,7 +82,7 @@ def rollout_setup(cfg, bundle, drafter, n: int):
 
 
 #: The last commit before continuous batching: the rollout code the throughput issue measured.
-BEFORE_REV = "0afb736"
+BEFORE_REV = "0afb736d3eeae6445b4ea44179072a9f6a64b0ef"
 
 
 def rollout_at_revision(rev: str, prompts: list, ids: list, drafter: str, batch: int, threads: int) -> dict:
@@ -89,15 +93,17 @@ def rollout_at_revision(rev: str, prompts: list, ids: list, drafter: str, batch:
     settings. Returns that script's JSON (seconds, completion_tokens, tau, records as lists).
 
     Raises:
-        SystemExit: the revision is unknown, its run failed (the tail of its output is shown),
-            or another copy of the package was imported than the revision's.
+        SystemExit: the revision could not be extracted, its run failed (the tail of its output
+            is shown), or some ``specforge_opd`` module was imported from outside the revision's copy
+            (a module missing at the revision falls through to the editable install of today's tree).
     """
-    tmp = Path(tempfile.mkdtemp(prefix=f"specforge_opd-{rev}-"))
+    tmp = Path(tempfile.mkdtemp(prefix="specforge_opd-" + re.sub(r"[^\w.-]", "_", rev) + "-"))
     try:
         arch = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True)
         if arch.returncode:
             raise SystemExit(f"--before-rev {rev}: git archive failed: {arch.stderr.decode().strip()}")
-        subprocess.run(["tar", "-x", "-C", str(tmp)], input=arch.stdout, check=True)
+        if subprocess.run(["tar", "-x", "-C", str(tmp)], input=arch.stdout).returncode:
+            raise SystemExit(f"--before-rev {rev}: could not extract its tree into {tmp}")
         (tmp / "prompts.json").write_text(json.dumps({"ids": ids, "prompts": prompts}))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         run = subprocess.run([sys.executable, str(ROOT / "benchmarks/rollout_at_revision.py"), "--config",
@@ -107,8 +113,9 @@ def rollout_at_revision(rev: str, prompts: list, ids: list, drafter: str, batch:
         if run.returncode:
             raise SystemExit(f"--before-rev {rev}: the rollout failed:\n{(run.stdout + run.stderr)[-2000:]}")
         out = json.loads((tmp / "out.json").read_text())
-        if not Path(out["package"]).is_relative_to(tmp.resolve()):
-            raise SystemExit(f"--before-rev {rev}: imported {out['package']}, not the revision's copy under {tmp}")
+        outside = {m: f for m, f in out["modules"].items() if not Path(f).is_relative_to(tmp.resolve())}
+        if outside:
+            raise SystemExit(f"--before-rev {rev}: modules imported from outside the revision's copy under {tmp}: {outside}")
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -133,6 +140,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/bench_throughput.json"))
     args = ap.parse_args()
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.before_rev}^{{commit}}"],
+                      capture_output=True).returncode:
+        ap.error(f"--before-rev {args.before_rev}: not a commit of this repository")
     torch.set_num_threads(args.threads)
 
     from bench_decode import chain_ceiling

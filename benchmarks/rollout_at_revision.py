@@ -3,13 +3,16 @@
 ``bench_throughput.py`` runs this in a subprocess whose ``PYTHONPATH`` starts with an
 extracted copy of that revision (``git archive``), so "before" is the code that ran when
 the throughput issue was measured, not today's engine driven the old way. It uses only
-calls whose signatures have not moved since then (``load_config``, ``load_target``,
-``load_drafter``, ``SpeculativeEngine.generate``, ``length_batches``).
+calls that are the same at 0afb736 (the default revision) and today: ``load_config`` and the
+config's ``target.max_context``/``too_long``/``prefill_chunk`` and ``rollout`` section,
+``load_target``, ``load_drafter``, ``drafter_mask_token_id``, the ``SpeculativeEngine``
+constructor's keywords and ``generate``, ``length_batches``, ``tau_of`` and the
+``RolloutRecord`` fields ``sample_id``, ``input_ids``, ``anchors``, ``drafts``, ``accepted``.
 
 Input (``--prompts``): JSON ``{"ids": [str], "prompts": [[int]]}``, the prompts already
 rendered and tokenized by the caller, so both sides roll out the same token ids.
-Output (``--out``): JSON with ``package`` (the imported package's directory, to check that
-the revision's copy ran), ``seconds`` (the batches' generate calls, after a warm-up of two
+Output (``--out``): JSON with ``modules`` (the file of every imported ``specforge_opd``
+module, to check that all of them are the revision's copy), ``seconds`` (the batches' generate calls, after a warm-up of two
 prompts), ``completion_tokens``, ``tau`` and ``records`` (per prompt: ``sample_id`` and the
 lists ``input_ids``, ``anchors``, ``drafts``, ``accepted``, for an equality check).
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -38,7 +42,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    import specforge_opd
     from specforge_opd.config import load_config
     from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
     from specforge_opd.models.target import load_target
@@ -62,7 +65,8 @@ def main() -> None:
     seconds = time.perf_counter() - t
     records = [by_id[s] for s in ids]
     out = {
-        "package": str(Path(specforge_opd.__file__).resolve().parent),
+        "modules": {name: str(Path(m.__file__).resolve()) for name, m in sys.modules.items()
+                    if (name == "specforge_opd" or name.startswith("specforge_opd.")) and getattr(m, "__file__", None)},
         "batch": args.batch,
         "seconds": seconds,
         "completion_tokens": sum(r.completion_tokens for r in records),

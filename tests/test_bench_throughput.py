@@ -1,0 +1,47 @@
+"""bench_throughput's cross-revision pieces: the record comparison and the revision check (no model is loaded)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "benchmarks/bench_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(sid, ids, acc):
+    return SimpleNamespace(sample_id=sid, input_ids=torch.tensor(ids), anchors=torch.tensor([0, 3]),
+                           drafts=torch.tensor([[5, 6], [7, 8]]), accepted=torch.tensor(acc))
+
+
+def test_same_as_lists_compares_every_field_and_the_order():
+    b = _bench()
+    recs = [_rec("a", [1, 2, 3], [1, 0]), _rec("b", [4, 5], [0, 0])]
+    listed = [{"sample_id": r.sample_id, **{k: getattr(r, k).tolist() for k in ("input_ids", "anchors", "drafts", "accepted")}}
+              for r in recs]
+    assert b.same_as_lists(recs, listed)
+    assert not b.same_as_lists(recs[::-1], listed)
+    assert not b.same_as_lists(recs[:1], listed)
+    changed = [dict(listed[0], accepted=[1, 1]), listed[1]]
+    assert not b.same_as_lists(recs, changed)
+
+
+def test_default_before_revision_is_a_commit_here():
+    shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    if shallow.returncode or shallow.stdout.strip() != "false":
+        pytest.skip("not a full git clone: the history that holds the before revision is absent")
+    b = _bench()
+    rc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{b.BEFORE_REV}^{{commit}}"],
+                        capture_output=True).returncode
+    assert rc == 0, f"BEFORE_REV {b.BEFORE_REV} is not a commit of this repository (a shallow clone?)"
