@@ -121,13 +121,6 @@ def rollout_at_revision(rev: str, prompts: list, ids: list, drafter: str, batch:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def same_as_lists(records, listed: list) -> bool:
-    """True when ``records`` (RolloutRecord) hold the tokens, anchors, drafts and acceptances of ``listed``."""
-    keys = ("input_ids", "anchors", "drafts", "accepted")
-    return len(records) == len(listed) and all(
-        r.sample_id == x["sample_id"] and all(getattr(r, k).tolist() == x[k] for k in keys) for r, x in zip(records, listed))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollout-prompts", type=int, default=48)
@@ -147,6 +140,7 @@ def main() -> None:
 
     from bench_decode import chain_ceiling
     from bench_rollout import matmul_gflops, rollout_flops, same_records
+    from rollout_at_revision import record_lists
 
     from specforge_opd.config import load_config
     from specforge_opd.eval.flops import capture_target_flops
@@ -186,7 +180,7 @@ def main() -> None:
     res["rollout"] = {"prompts": len(prompts), "max_new_tokens": cfg.rollout.max_new_tokens, "teacher": cfg.rollout.teacher,
                       "before_revision": {"revision": args.before_rev, "batch": 8, "seconds": old["seconds"],
                                           "tok_s": old["completion_tokens"] / old["seconds"], "tau": old["tau"],
-                                          "records_equal": same_as_lists(after, old["records"])},
+                                          "records_equal": record_lists(after) == old["records"]},
                       "before": {"batch": 8, "tok_s": toks / before_s, "seconds": before_s},
                       "after": {"batch": args.rollout_batch, "tok_s": toks / after_s, "seconds": after_s},
                       "tau": tau_of(after), "compute_bound_tok_s": bound, "records_equal": same_records(before, after)}

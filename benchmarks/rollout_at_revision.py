@@ -31,6 +31,19 @@ from pathlib import Path
 import torch
 
 
+#: The record fields compared across revisions (tokens, block starts, drafts, acceptances).
+RECORD_FIELDS = ("input_ids", "anchors", "drafts", "accepted")
+
+
+def record_lists(records) -> list[dict]:
+    """``RolloutRecord``s as JSON-ready dicts: ``sample_id`` and each of ``RECORD_FIELDS`` as a nested list.
+
+    The one form both sides of the revision comparison use: this script writes it, and
+    ``bench_throughput.py`` compares today's records in it with ``==``.
+    """
+    return [{"sample_id": r.sample_id, **{k: getattr(r, k).tolist() for k in RECORD_FIELDS}} for r in records]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="the revision's OPD config (its rollout settings)")
@@ -71,8 +84,7 @@ def main() -> None:
         "seconds": seconds,
         "completion_tokens": sum(r.completion_tokens for r in records),
         "tau": tau_of(records),
-        "records": [{"sample_id": r.sample_id, **{k: getattr(r, k).tolist() for k in ("input_ids", "anchors", "drafts", "accepted")}}
-                    for r in records],
+        "records": record_lists(records),
     }
     Path(args.out).write_text(json.dumps(out))
 

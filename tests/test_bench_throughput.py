@@ -1,4 +1,4 @@
-"""bench_throughput's cross-revision pieces: the record comparison and the revision check (no model is loaded)."""
+"""bench_throughput's cross-revision pieces: the record form compared and the revision check (no model is loaded)."""
 
 import importlib.util
 import subprocess
@@ -12,9 +12,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench():
+def _load(name):
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "benchmarks/bench_throughput.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"benchmarks/{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -25,23 +25,24 @@ def _rec(sid, ids, acc):
                            drafts=torch.tensor([[5, 6], [7, 8]]), accepted=torch.tensor(acc))
 
 
-def test_same_as_lists_compares_every_field_and_the_order():
-    b = _bench()
+def test_record_lists_compare_every_field_and_the_order():
+    """The revision's records (written as record_lists) equal today's only with every field and the order."""
+    record_lists = _load("rollout_at_revision").record_lists
     recs = [_rec("a", [1, 2, 3], [1, 0]), _rec("b", [4, 5], [0, 0])]
     listed = [{"sample_id": r.sample_id, **{k: getattr(r, k).tolist() for k in ("input_ids", "anchors", "drafts", "accepted")}}
               for r in recs]
-    assert b.same_as_lists(recs, listed)
-    assert not b.same_as_lists(recs[::-1], listed)
-    assert not b.same_as_lists(recs[:1], listed)
+    assert record_lists(recs) == listed
+    assert record_lists(recs[::-1]) != listed
+    assert record_lists(recs[:1]) != listed
     changed = [dict(listed[0], accepted=[1, 1]), listed[1]]
-    assert not b.same_as_lists(recs, changed)
+    assert record_lists(recs) != changed
 
 
 def test_default_before_revision_is_a_commit_here():
     shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
     if shallow.returncode or shallow.stdout.strip() != "false":
         pytest.skip("not a full git clone: the history that holds the before revision is absent")
-    b = _bench()
+    b = _load("bench_throughput")
     rc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{b.BEFORE_REV}^{{commit}}"],
                         capture_output=True).returncode
     assert rc == 0, f"BEFORE_REV {b.BEFORE_REV} is not a commit of this repository (a shallow clone?)"
