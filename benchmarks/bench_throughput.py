@@ -27,7 +27,10 @@ machine (run it alone), each "before" the way the pipeline ran before continuous
   ``decode.capture`` of the requested layers in length-bucketed batches (after); the
   largest relative difference of the features, and both rates over the compute bound (the body's
   FLOPs over every token at the matmul rate), which caps the speedup any batching can give.
-- ``decode_of_chain``: decode-only tokens/s at batch 32 over the chain ceiling (``bench_decode.py``).
+- ``decode_of_chain``: decode-only tokens/s at batch 32 over the chain ceiling (``bench_decode.py``);
+  ``generation.decode_of_chain_kv`` the same over the chain plus one read of the step's fp32 KV
+  cache at the measured bandwidth (``bench_decode.kv_read_bytes``), the floor of a step whose
+  attention is memory-bound.
 
     .venv/bin/python benchmarks/bench_throughput.py [--json benchmarks/results/bench_throughput.json]
 """
@@ -138,7 +141,7 @@ def main() -> None:
         ap.error(f"--before-rev {args.before_rev}: not a commit of this repository")
     torch.set_num_threads(args.threads)
 
-    from bench_decode import chain_ceiling
+    from bench_decode import bandwidth, chain_ceiling, kv_read_bytes
     from bench_rollout import matmul_gflops, rollout_flops, same_records
     from rollout_at_revision import record_lists
 
@@ -204,10 +207,17 @@ def main() -> None:
     dec: dict = {}
     autoregressive_generate(model, gp[:B], N, [], stats=dec)  # a full batch, no stop tokens: decode only
     decode_tok_s = dec["decode_tokens"] / dec["t_decode"]
-    chain = B / chain_ceiling(model.config, torch.float32, B)
+    t_chain = chain_ceiling(model.config, torch.float32, B)
+    chain = B / t_chain
+    # the decode-only run's cache: its rows left-padded to the longest prompt, grown by N slots
+    kv_bytes = kv_read_bytes(model.config, torch.float32, B, max(len(p) for p in gp[:B]) + N / 2)
+    bw = bandwidth(int(kv_bytes))
+    chain_kv = B / (t_chain + kv_bytes / bw)
     res["generation"] = {"prompts": len(gp), "batch": B, "max_new_tokens": N, "tokens": gen_toks,
                          "before_tok_s": gen_toks / gen_before_s, "after_tok_s": gen_toks / gen_after_s,
                          "admissions": st["admissions"], "decode_only_tok_s": decode_tok_s, "chain_ceiling_tok_s": chain,
+                         "kv_read_bytes_per_step": kv_bytes, "bandwidth_GBps": bw / 1e9, "chain_kv_ceiling_tok_s": chain_kv,
+                         "decode_of_chain_kv": decode_tok_s / chain_kv,
                          "outputs_equal": outs_before == outs_after}
     print(json.dumps(res["generation"]), flush=True)
 

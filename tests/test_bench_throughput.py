@@ -46,3 +46,18 @@ def test_default_before_revision_is_a_commit_here():
     rc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{b.BEFORE_REV}^{{commit}}"],
                         capture_output=True).returncode
     assert rc == 0, f"BEFORE_REV {b.BEFORE_REV} is not a commit of this repository (a shallow clone?)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_read_bytes_is_the_runner_cache_over_its_slots(dtype):
+    """The decode floor's KV bytes equal the runner's KVCache buffers over ``mean_slots`` slots, keys and values
+    of every layer (a GQA config whose head_dim is not hidden / heads, so each field counts)."""
+    from specforge_opd.rollout.decode import KVCache
+
+    kv_read_bytes = _load("bench_decode").kv_read_bytes
+    cfg = SimpleNamespace(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_hidden_layers=3)
+    batch, slots = 5, 11
+    cache = KVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, slots, dtype, "cpu")
+    held = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+    assert kv_read_bytes(cfg, dtype, batch, slots) == held
+    assert kv_read_bytes(cfg, dtype, batch, slots / 2) == held / 2
