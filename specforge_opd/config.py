@@ -393,14 +393,31 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+def _abbreviates(short: str, name: str) -> bool:
+    """Whether ``short`` is a prefix of ``name`` or the initials of its ``_``-separated words
+    (``lr`` for ``learning_rate``)."""
+    return name.startswith(short) or "".join(w[:1] for w in name.split("_")) == short
+
+
 def _suggest(bad: str) -> str:
+    """The nearest valid keys to the unknown dotted key ``bad``, as `` (did you mean `KEY`?)``
+    (up to three, nearest first), or ''.
+
+    A key under a known section is matched by its last name among that section's own fields
+    (close spelling, then abbreviations such as ``lr``), so a short typo is never answered
+    with the section's own name. Otherwise (a misspelled section) the whole dotted key is
+    matched against every valid key."""
     keys = _valid_keys(ExperimentConfig)
+    if "." in bad:
+        section, leaf = bad.rsplit(".", 1)
+        depth = section.count(".") + 1
+        leaves = [k.rsplit(".", 1)[1] for k in keys if k.startswith(section + ".") and k.count(".") == depth]
+        close = difflib.get_close_matches(leaf, leaves, n=3, cutoff=0.5)
+        close += [x for x in leaves if leaf and _abbreviates(leaf, x) and x not in close]
+        if close:
+            names = [f"`{section}.{x}`" for x in close[:3]]
+            return f" (did you mean {' or '.join(names) if len(names) < 3 else names[0] + ', ' + names[1] + ' or ' + names[2]}?)"
     close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.6)
-    if not close:
-        # also try the leaf name within its section
-        section = bad.rsplit(".", 1)[0] + "." if "." in bad else ""
-        leaves = [k for k in keys if k.startswith(section)]
-        close = difflib.get_close_matches(bad, leaves, n=1, cutoff=0.4)
     return f" (did you mean `{close[0]}`?)" if close else ""
 
 

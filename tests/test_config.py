@@ -63,3 +63,17 @@ def test_every_shipped_config_loads():
     assert len(files) >= 10
     for f in files:
         load_config(f)
+
+
+@pytest.mark.parametrize("typo, want", [
+    ("training.lr", "training.learning_rate"),  # initials; once answered with the section `training`
+    ("training.lear", "training.learning_rate"),  # a short prefix; once answered with training.seed
+    ("training.learning_rat", "training.learning_rate"),
+    ("rollout.batchsize", "rollout.batch_size"),
+])
+def test_a_short_typo_under_a_section_suggests_that_sections_field(typo, want):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{typo}=1"])
+    hint = str(e.value).split("did you mean", 1)[-1]
+    assert f"`{want}`" in hint
+    assert "`training`" not in hint
