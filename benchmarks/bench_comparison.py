@@ -88,7 +88,7 @@ def main() -> int:
             eval_args += ["--drafter", f"{name} s{seed}={d}"]
     # every prompt of the three sets (the trajectory cache is paid once): 16 prompts cannot resolve 5%
     prompts_ov = [f"eval.num_prompts={'null' if args.eval_prompts is None else args.eval_prompts}"]
-    sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(out / "eval"),
+    sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(out / "eval"), "--overwrite",
         "eval.speedup=false", *prompts_ov, *eval_args])
     result = json.loads((out / "eval" / "eval.json").read_text())
     from specforge_opd.eval.stats import bootstrap_mean_tau, counts_of, interval

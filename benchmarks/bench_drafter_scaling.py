@@ -335,7 +335,7 @@ def shipped_rows(args, out: Path, points: list[dict], label_: str = "eval") -> d
         drafters += ["--drafter", f"{pt['name']}={pt['path']}"]
     label_ = label_ if points else "eval_shipped"
     ev = out / label_
-    sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.eval_config, "--out", str(ev), "eval.speedup=false",
+    sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.eval_config, "--out", str(ev), "--overwrite", "eval.speedup=false",
         "eval.num_prompts=null", "eval.batch_size=16", f"eval.cache_dir={ROOT / args.cache_dir}", *drafters],
        out / "logs" / f"{label_}.log")
     result = json.loads((ev / "eval.json").read_text())

@@ -438,7 +438,7 @@ def evaluate_all(args, drafters: dict[str, dict], out: Path) -> dict:
         ev = out / "eval"
         # eval.batch_size: the trajectory cache decodes in a continuous batch of that many rows (offline replay is
         # exact whatever the batch)
-        sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(ev), "eval.speedup=false",
+        sh([PY, "-m", "specforge_opd.cli", "eval", "-c", args.opd_config, "--out", str(ev), "--overwrite", "eval.speedup=false",
             prompts_ov, "eval.batch_size=16", cache_ov, *eval_args], out / "logs" / "eval.log")
         fresh = json.loads((ev / "eval.json").read_text())
         store.mkdir(parents=True, exist_ok=True)

@@ -402,3 +402,27 @@ def test_cache_entry_of_another_target_dtype_is_refused(tmp_path, tiny_setup):
     save_file(tensors, str(f), metadata=dict(meta, target_dtype="bfloat16"))
     with pytest.raises(EvalError, match="bfloat16"):
         TrajectoryCache(tmp_path, target, "tiny", max_new_tokens=8, stop_token_ids=[1]).get(prompts[:1], [1])
+
+
+def test_cli_refuses_to_replace_an_evaluation_of_other_drafters(tmp_path, capsys, monkeypatch):
+    """A second ``eval`` into the same output.dir with other drafters stops before the target loads
+    and leaves the first eval.json as it was; the same drafters, or --overwrite, go ahead."""
+    from specforge_opd.cli import main
+    import specforge_opd.eval.evaluate as ev
+
+    out = tmp_path / "o"
+    out.mkdir()
+    first = {"drafters": {"sft": {"path": "runs/x/sft/final"}, "opd": {"path": "runs/x/opd/final"},
+                          "prompt lookup (n<=3)": {"path": None}}}
+    (out / "eval.json").write_text(json.dumps(first))
+    ran = []
+    monkeypatch.setattr(ev, "evaluate", lambda cfg, drafters, o: ran.append(dict(drafters)) or (o / "eval.md").write_text("t"))
+
+    assert main(["eval", "--drafter", "runs/x/sft/final", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds eval.json of drafters sft=runs/x/sft/final, opd=runs/x/opd/final" in err and "--overwrite" in err
+    assert json.loads((out / "eval.json").read_text()) == first and not ran
+
+    assert main(["eval", "--drafter", "sft=runs/x/sft/final", "--drafter", "opd=runs/x/opd/final", "--out", str(out)]) == 0
+    assert main(["eval", "--drafter", "runs/x/sft/final", "--out", str(out), "--overwrite"]) == 0
+    assert [sorted(d) for d in ran] == [["opd", "sft"], ["final"]]

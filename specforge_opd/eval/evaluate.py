@@ -838,17 +838,46 @@ def _parse_drafters(values: list[str]) -> dict[str, Path]:
     return out
 
 
+def check_results_free(out: Path, drafters: dict[str, Path]) -> None:
+    """Refuse to replace an earlier evaluation of other drafters in ``out``.
+
+    ``eval.json`` there may hold results of other drafters (another run of the verb with the same
+    ``output.dir``); writing this run's would lose them. The same drafters (names and paths) may
+    be evaluated again: that rewrites the same results.
+
+    Raises:
+        EvalError: ``out/eval.json`` records a different set of drafters (prompt lookup aside).
+    """
+    f = out / "eval.json"
+    if not f.exists():
+        return
+    try:
+        before = json.loads(f.read_text()).get("drafters", {})
+    except (OSError, ValueError, AttributeError):
+        before = {}
+    had = {n: v.get("path") for n, v in before.items() if isinstance(v, dict) and v.get("path") is not None}
+    now = {n: str(p) for n, p in drafters.items()}
+    if had and had != now:
+        names = ", ".join(f"{n}={p}" for n, p in had.items())
+        raise EvalError(f"output.dir={out} already holds eval.json of drafters {names}; "
+                        f"pass output.dir=NEW_DIR (or --out) for this evaluation, or --overwrite to replace it")
+
+
 def cli(argv: list[str]) -> int:
     """``specforge-opd eval -c CFG --drafter DIR [--drafter NAME=DIR ...] [overrides] [--out DIR]``."""
     from specforge_opd.cli import experiment_parser, parse_experiment
 
     p = experiment_parser("eval", "accepted length (tau) and speedup per dataset; writes eval.json, eval.md, plots")
     p.add_argument("--drafter", action="append", default=[], help="drafter HF directory, or NAME=DIR; repeat to compare")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results in output.dir even when they are of other drafters")
     args, cfg = parse_experiment(p, argv)
     drafters = _parse_drafters(args.drafter)
     if not drafters and cfg.draft.path:
         drafters = {"draft": Path(cfg.draft.path)}
     out = Path(cfg.output.dir)
+    if not args.overwrite:
+        check_results_free(out, drafters)
     evaluate(cfg, drafters, out)  # a UserError is reported by cli.main (one line, exit 2)
     print((out / "eval.md").read_text())
     print(f"wrote {out / 'eval.json'}")
