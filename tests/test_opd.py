@@ -1,6 +1,7 @@
 """The iterated OPD stage on a tiny random target: plan, loop, kill-and-resume (issue 9)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -33,12 +34,17 @@ def _params(d):
     return {k: v.clone() for k, v in load_drafter(d).state_dict().items()}
 
 
-def test_opd_loop_and_resume(tmp_path):
+def test_opd_loop_and_resume(tmp_path, capsys):
     from specforge_opd.stages.opd import run_opd
 
     cfg, bundle, prompts = _setup(tmp_path, "clean")
     final = run_opd(cfg, target=bundle, prompts=prompts)
     out = tmp_path / "clean"
+    err = capsys.readouterr().err
+    # a fresh run says it starts (not "resuming"), and its losses print short
+    assert "starting at iteration 0" in err and "resuming" not in err
+    losses = re.findall(r"\bloss=(\S+) L_acc=(\S+) L_rej=(\S+)", err)
+    assert len(losses) == 2 and all(x == f"{float(x):.4g}" for row in losses for x in row)
     rows = [json.loads(l) for l in (out / "opd_metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     assert all(r["train_steps"] == 2 for r in rows)  # 4 prompts per iteration / 2 per step
@@ -62,7 +68,9 @@ def test_opd_loop_and_resume(tmp_path):
     assert (tmp_path / "killed" / "spool" / "iter_000" / "manifest.json").is_file()
     with pytest.raises(InjectedFault):
         run_opd(cfg2, target=bundle2, prompts=prompts, fault="train:1")
+    capsys.readouterr()
     final2 = run_opd(cfg2, target=bundle2, prompts=prompts)
+    assert "resuming at iteration" in capsys.readouterr().err
     resumed = _params(final2)
     for k in reference:
         assert torch.allclose(reference[k], resumed[k], atol=1e-6), k

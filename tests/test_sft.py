@@ -674,3 +674,17 @@ def test_a_packed_responses_step_is_reused_and_donates_like_a_plain_one(tmp_path
     assert calls == [["p4", "p5", "p6", "p7"], ["p8", "p9"]]
     big = next((tmp_path / "grown").glob("responses-*"))
     assert (big / "chunk_00000.jsonl").read_bytes() == (plain / "chunk_00000.jsonl").read_bytes()
+
+
+def test_prompts_dropped_over_the_limit_are_said(capsys):
+    """The pool counts a prompt's own text and the limit applies with the chat template, so the
+    responses step can keep fewer prompts than data.num_prompts: it says how many it dropped."""
+    from specforge_opd.config import load_config
+    from specforge_opd.stages.sft import _say_skipped
+
+    cfg = load_config(None, ["data.max_prompt_tokens=512"])
+    _say_skipped("sft responses", 3, 128, cfg)
+    out = capsys.readouterr().out
+    assert "sft responses: 3 of 128 prompts are over 512 tokens with the chat template" in out and "125 kept" in out
+    _say_skipped("sft responses", 0, 128, cfg)
+    assert capsys.readouterr().out == ""

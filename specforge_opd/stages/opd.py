@@ -61,6 +61,10 @@ from specforge_opd.stepkeys import dir_bytes
 STATE_FILE = "opd_state.json"
 
 
+def _short(v) -> str:
+    """A loss for the progress line: 4 significant digits, or as it is when not a number (None)."""
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
 def _rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -418,10 +422,13 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         raise PlanError(
             f"{state_path} was written for another plan ({state.get('plan')}); rerun with the same config, or a fresh output.dir"
         )
-    if rank == 0:
-        print(f"OPD: {plan.iterations} iterations x {plan.steps_per_iteration} steps ({plan.total_steps} total), pool {len(prompts)} prompts "
-              f"({pool_stats}); resuming at iteration {state['iterations_done']}", file=sys.stderr)
     spool_root = Path(cfg.opd.spool_dir) if cfg.opd.spool_dir else out / "spool"
+    if rank == 0:
+        # a run killed inside iteration 0 has rollouts in the spool but no state file yet
+        begun = state_path.is_file() or any(spool_root.glob("iter_*"))
+        print(f"OPD: {plan.iterations} iterations x {plan.steps_per_iteration} steps ({plan.total_steps} total), pool {len(prompts)} prompts "
+              f"({pool_stats}); {'resuming at' if begun else 'starting at'} iteration {state['iterations_done']}",
+              file=sys.stderr)
     initial_drafter = out / "initial_drafter"
     initial_meta = read_drafter_metadata(initial_drafter)
     flops = FlopsLedger.from_dict(state["flops"])
@@ -534,8 +541,8 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
                 tb.flush()
             speed = f"{ro['tokens_per_s']:.1f} tok/s" if ro["tokens_per_s"] else "reused from the spool"
             print(f"[iter {it + 1}/{plan.iterations}] rollout tau={ro['tau']:.3f} ({ro['sequences']} seq, "
-                  f"{speed}) | train {res.step} steps, loss={row['loss']} "
-                  f"L_acc={row['L_acc']} L_rej={row['L_rej']} | spool {spool_bytes / 2**20:.1f} MiB", file=sys.stderr)
+                  f"{speed}) | train {res.step} steps, loss={_short(row['loss'])} "
+                  f"L_acc={_short(row['L_acc'])} L_rej={_short(row['L_rej'])} | spool {spool_bytes / 2**20:.1f} MiB", file=sys.stderr)
             if not cfg.opd.keep_shards:
                 shutil.rmtree(spool_root / f"iter_{it:03d}", ignore_errors=True)
             # previous iteration's training checkpoints are no longer needed once this one is done

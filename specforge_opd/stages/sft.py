@@ -96,6 +96,13 @@ class SFTInputs:
     timings: dict = field(default_factory=dict)
 
 
+def _say_skipped(step: str, skipped: int, total: int, cfg) -> None:
+    """Say how many prompts ``tokenize_prompts`` dropped: the pool counts a prompt's own text, the
+    limit applies to it rendered with the chat template, so a few more can fall over it."""
+    if skipped:
+        print(f"{step}: {skipped} of {total} prompts are over {prompt_limit(cfg)} tokens with the chat template "
+              f"(target.too_long={cfg.target.too_long}); {total - skipped} kept")
+
 def _load_bundle(cfg: ExperimentConfig):
     from specforge_opd.models.target import load_target
 
@@ -260,9 +267,10 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     val_tok: list = []
     if cfg.sft.val_prompts:
         val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg, tokenizer)
-        val_tok, _ = tokenize_prompts(val_recs, tokenizer, cfg)
+        val_tok, val_long = tokenize_prompts(val_recs, tokenizer, cfg)
         if not val_tok:
             raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {prompt_limit(cfg)} tokens")
+        _say_skipped("sft validation", val_long, len(val_recs), cfg)
 
     # -- responses
     t0 = time.time()
@@ -272,6 +280,7 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     tokenized, too_long = tokenize_prompts(records_in, tokenizer, cfg)
     if not tokenized:
         raise SFTError(f"sft responses: all {len(records_in)} prompts are longer than {prompt_limit(cfg)} tokens")
+    _say_skipped("sft responses", too_long, len(records_in), cfg)
     r_inputs = responses_inputs(cfg, tid, tokenized)
     r_key = hash_inputs(r_inputs)
     r_dir = reusable_step(cfg, out, "responses", r_key)
