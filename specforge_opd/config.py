@@ -393,32 +393,49 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
-def _abbreviates(short: str, name: str) -> bool:
-    """Whether ``short`` is a prefix of ``name`` or the initials of its ``_``-separated words
-    (``lr`` for ``learning_rate``)."""
-    return name.startswith(short) or "".join(w[:1] for w in name.split("_")) == short
+def _initials(name: str) -> str:
+    """The first letters of ``name``'s ``_``-separated words (``lr`` for ``learning_rate``)."""
+    return "".join(w[:1] for w in name.split("_"))
+
+
+def _near_leaves(leaf: str, names: list[str]) -> list[str]:
+    """Field names near ``leaf``, nearest kind first: the same initials, a close spelling,
+    ``leaf`` as a prefix, then looser spellings only when nothing else matched."""
+    if not leaf:
+        return []
+    found = [x for x in names if _initials(x) == leaf]
+    found += [x for x in difflib.get_close_matches(leaf, names, n=3, cutoff=0.6) if x not in found]
+    found += [x for x in names if x.startswith(leaf) and x not in found]
+    return found or difflib.get_close_matches(leaf, names, n=3, cutoff=0.5)
 
 
 def _suggest(bad: str) -> str:
     """The nearest valid keys to the unknown dotted key ``bad``, as `` (did you mean `KEY`?)``
-    (up to three, nearest first), or ''.
+    (up to three, nearest kind first), or ''.
 
-    A key under a known section is matched by its last name among that section's own fields
-    (close spelling, then abbreviations such as ``lr``), so a short typo is never answered
-    with the section's own name. Otherwise (a misspelled section) the whole dotted key is
-    matched against every valid key."""
+    A key under a known section is matched by its last name among that section's own fields,
+    then among every section's fields (``opd.lr`` -> ``training.learning_rate``); it is never
+    answered with a section's own name. An unknown top-level name is matched against every key."""
     keys = _valid_keys(ExperimentConfig)
-    if "." in bad:
-        section, leaf = bad.rsplit(".", 1)
-        depth = section.count(".") + 1
-        leaves = [k.rsplit(".", 1)[1] for k in keys if k.startswith(section + ".") and k.count(".") == depth]
-        close = difflib.get_close_matches(leaf, leaves, n=3, cutoff=0.5)
-        close += [x for x in leaves if leaf and _abbreviates(leaf, x) and x not in close]
-        if close:
-            names = [f"`{section}.{x}`" for x in close[:3]]
-            return f" (did you mean {' or '.join(names) if len(names) < 3 else names[0] + ', ' + names[1] + ' or ' + names[2]}?)"
-    close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.6)
-    return f" (did you mean `{close[0]}`?)" if close else ""
+    if "." not in bad:
+        close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.6)
+        return f" (did you mean `{close[0]}`?)" if close else ""
+    section, leaf = bad.rsplit(".", 1)
+    depth = section.count(".") + 1
+    own = [k.rsplit(".", 1)[1] for k in keys if k.startswith(section + ".") and k.count(".") == depth]
+    close = [f"{section}.{x}" for x in _near_leaves(leaf, own)]
+    if not close:
+        dotted = [k for k in keys if "." in k]
+        by_leaf = {}
+        for k in dotted:
+            by_leaf.setdefault(k.rsplit(".", 1)[1], k)
+        close = [by_leaf[x] for x in _near_leaves(leaf, list(by_leaf))]
+        if not own and not close:  # a misspelled section: the whole key against every dotted key
+            close = difflib.get_close_matches(bad, dotted, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    names = [f"`{x}`" for x in close[:3]]
+    return f" (did you mean {', '.join(names[:-1]) + ' or ' + names[-1] if len(names) > 1 else names[0]}?)"
 
 
 def _format_errors(err: ValidationError, where: str) -> str:

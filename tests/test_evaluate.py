@@ -420,9 +420,14 @@ def test_cli_refuses_to_replace_an_evaluation_of_other_drafters(tmp_path, capsys
 
     assert main(["eval", "--drafter", "runs/x/sft/final", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "already holds eval.json of drafters sft=runs/x/sft/final, opd=runs/x/opd/final" in err and "--overwrite" in err
-    assert json.loads((out / "eval.json").read_text()) == first and not ran
-
-    assert main(["eval", "--drafter", "sft=runs/x/sft/final", "--drafter", "opd=runs/x/opd/final", "--out", str(out)]) == 0
+    assert "already holds eval.json with drafters this run would drop (sft=runs/x/sft/final, opd=runs/x/opd/final)" in err
+    assert "--overwrite" in err and json.loads((out / "eval.json").read_text()) == first and not ran
+    monkeypatch.chdir(tmp_path)  # the same directory spelled another way is the same drafter
+    sft_abs = str(tmp_path / "runs/x/sft/final")
+    assert main(["eval", "--drafter", f"sft={sft_abs}/", "--drafter", "opd=runs/x/opd/final", "--drafter", "x=runs/x/other",
+                 "--out", str(out)]) == 0  # the recorded drafters kept, one added
     assert main(["eval", "--drafter", "runs/x/sft/final", "--out", str(out), "--overwrite"]) == 0
-    assert [sorted(d) for d in ran] == [["opd", "sft"], ["final"]]
+    assert [sorted(d) for d in ran] == [["opd", "sft", "x"], ["final"]]
+    for broken in ('{"drafters": null}', '[1, 2]', 'not json'):  # unreadable records protect nothing
+        (out / "eval.json").write_text(broken)
+        assert main(["eval", "--drafter", "runs/x/sft/final", "--out", str(out)]) == 0

@@ -685,6 +685,7 @@ def test_prompts_dropped_over_the_limit_are_said(capsys):
     cfg = load_config(None, ["data.max_prompt_tokens=512"])
     _say_skipped("sft responses", 3, 128, cfg)
     out = capsys.readouterr().out
-    assert "sft responses: 3 of 128 prompts are over 512 tokens with the chat template" in out and "125 kept" in out
+    assert "[sft responses] 3 of 128 prompts are over 512 tokens with the chat template" in out and "125 kept" in out
+    assert "data.max_prompt_tokens" in out
     _say_skipped("sft responses", 0, 128, cfg)
     assert capsys.readouterr().out == ""

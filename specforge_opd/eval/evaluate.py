@@ -842,25 +842,29 @@ def check_results_free(out: Path, drafters: dict[str, Path]) -> None:
     """Refuse to replace an earlier evaluation of other drafters in ``out``.
 
     ``eval.json`` there may hold results of other drafters (another run of the verb with the same
-    ``output.dir``); writing this run's would lose them. The same drafters (names and paths) may
-    be evaluated again: that rewrites the same results.
+    ``output.dir``); writing this run's would lose them. A run that keeps every drafter recorded
+    there (same name, same directory) may go ahead, with more drafters or none new.
 
     Raises:
-        EvalError: ``out/eval.json`` records a different set of drafters (prompt lookup aside).
+        EvalError: ``out/eval.json`` records a drafter (prompt lookup aside) that this run drops or
+            points elsewhere.
     """
     f = out / "eval.json"
-    if not f.exists():
+    if not drafters or not f.exists():
         return
     try:
         before = json.loads(f.read_text()).get("drafters", {})
     except (OSError, ValueError, AttributeError):
         before = {}
-    had = {n: v.get("path") for n, v in before.items() if isinstance(v, dict) and v.get("path") is not None}
-    now = {n: str(p) for n, p in drafters.items()}
-    if had and had != now:
-        names = ", ".join(f"{n}={p}" for n, p in had.items())
-        raise EvalError(f"output.dir={out} already holds eval.json of drafters {names}; "
-                        f"pass output.dir=NEW_DIR (or --out) for this evaluation, or --overwrite to replace it")
+    if not isinstance(before, dict):
+        before = {}
+    had = {n: v["path"] for n, v in before.items() if isinstance(v, dict) and isinstance(v.get("path"), str)}
+    now = {n: os.path.realpath(p) for n, p in drafters.items()}
+    lost = [n for n, p in had.items() if now.get(n) != os.path.realpath(p)]
+    if lost:
+        names = ", ".join(f"{n}={had[n]}" for n in lost)
+        raise EvalError(f"output.dir={out} already holds eval.json with drafters this run would drop ({names}); "
+                        f"pass output.dir=NEW_DIR (or --out), keep them as --drafter NAME=DIR, or --overwrite to replace it")
 
 
 def cli(argv: list[str]) -> int:

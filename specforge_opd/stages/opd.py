@@ -65,6 +65,7 @@ def _short(v) -> str:
     """A loss for the progress line: 4 significant digits, or as it is when not a number (None)."""
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
+
 def _rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 

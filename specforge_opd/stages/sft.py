@@ -100,8 +100,10 @@ def _say_skipped(step: str, skipped: int, total: int, cfg) -> None:
     """Say how many prompts ``tokenize_prompts`` dropped: the pool counts a prompt's own text, the
     limit applies to it rendered with the chat template, so a few more can fall over it."""
     if skipped:
-        print(f"{step}: {skipped} of {total} prompts are over {prompt_limit(cfg)} tokens with the chat template "
-              f"(target.too_long={cfg.target.too_long}); {total - skipped} kept")
+        print(f"[{step}] {skipped} of {total} prompts are over {prompt_limit(cfg)} tokens with the chat template "
+              f"(min of data.max_prompt_tokens and target.max_context - sft.max_new_tokens); {total - skipped} kept "
+              f"(target.too_long={cfg.target.too_long})", flush=True)
+
 
 def _load_bundle(cfg: ExperimentConfig):
     from specforge_opd.models.target import load_target
