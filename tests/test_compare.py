@@ -640,3 +640,12 @@ def test_opd_at_scale_baselines_with_a_changed_recipe_get_their_own_rows_and_dir
     assert set(bench.baselines(untagged, tmp_path / "opd", 192, 0, [])) == {"SFT fair fresh matched p192 s0",
                                                                            "SFT fair fresh best-val p192 s0"}
     assert calls[0][1] == tmp_path / "p192" / "sft-fresh-s0"
+
+
+def test_help_names_the_render_form(capsys):
+    """``--render`` is parsed before argparse; ``--help`` still tells a user it exists."""
+    from specforge_opd.stages.compare import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--render SUMMARY.json" in capsys.readouterr().out

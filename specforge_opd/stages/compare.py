@@ -206,7 +206,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         print(render_summary(json.loads(Path(argv[1]).read_text())))
         return 0
-    p = argparse.ArgumentParser(prog="python -m specforge_opd.stages.compare", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specforge_opd.stages.compare", description=__doc__.splitlines()[0],
+                                epilog="python -m specforge_opd.stages.compare --render SUMMARY.json prints the "
+                                       "comparison table of a written summary.json (the README's table)")
     p.add_argument("--sft-config", required=True)
     p.add_argument("--opd-config", required=True)
     p.add_argument("--out", help="where eval.json/eval.md/comparison.md go (default <opd output.dir>/comparison)")
