@@ -431,3 +431,21 @@ def test_cli_refuses_to_replace_an_evaluation_of_other_drafters(tmp_path, capsys
     for broken in ('{"drafters": null}', '[1, 2]', 'not json'):  # unreadable records protect nothing
         (out / "eval.json").write_text(broken)
         assert main(["eval", "--drafter", "runs/x/sft/final", "--out", str(out)]) == 0
+
+
+def test_a_missing_or_unknown_drafter_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    """``evaluate`` checks every drafter location first: neither a wrong path nor an unknown
+    published name waits for the target to load."""
+    import specforge_opd.models.target as target_mod
+    from specforge_opd.eval.evaluate import evaluate
+    from specforge_opd.models.drafter import DrafterError
+
+    def no_target(*a, **k):
+        raise AssertionError("the target was loaded before the drafters were checked")
+
+    monkeypatch.setattr(target_mod, "load_target", no_target)
+    cfg = load_config(None, ["eval.datasets=[mtbench]"])
+    with pytest.raises(DrafterError, match=r"drafter opd: .*nope does not exist; give an exported drafter directory"):
+        evaluate(cfg, {"opd": tmp_path / "nope"}, tmp_path / "o")
+    with pytest.raises(DrafterError, match="no-such-drafter"):
+        evaluate(cfg, {"x": "published:no-such-drafter"}, tmp_path / "o")

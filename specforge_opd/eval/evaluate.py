@@ -46,8 +46,10 @@ from specforge_opd.config import ConfigError, ExperimentConfig
 from specforge_opd.errors import UserError
 from specforge_opd.eval.ngram import NGRAM_NAME, ngram_offline_tau
 from specforge_opd.models.drafter import (
+    DrafterError,
     check_compatible,
     drafter_layer_ids,
+    drafter_path,
     drafter_mask_token_id,
     load_drafter,
     read_drafter_metadata,
@@ -683,6 +685,10 @@ def evaluate(cfg: ExperimentConfig, drafter_dirs: dict[str, Path], out_dir: os.P
         raise EvalError("no drafter to evaluate: pass --drafter DIR (or NAME=DIR)")
     if prompt_sets is None:
         check_dataset_names(cfg)  # before paying for the target
+    for name, d in drafter_dirs.items():  # a wrong name or path, too, before the target loads
+        if not drafter_path(d).exists():
+            raise DrafterError(f"drafter {name}: {d} does not exist; give an exported drafter directory "
+                               f"or published:NAME (python -m specforge_opd.models.published list)")
     if target is None:
         from specforge_opd.models.target import load_target
 
