@@ -399,13 +399,13 @@ def _initials(name: str) -> str:
 
 
 def _near_leaves(leaf: str, names: list[str]) -> list[str]:
-    """Field names near ``leaf``, nearest kind first: the same initials, a close spelling,
-    ``leaf`` as a prefix, then looser spellings only when nothing else matched."""
+    """Field names near ``leaf``, nearest kind first: the same initials, ``leaf`` as a prefix, a
+    close spelling, then looser spellings only when nothing else matched."""
     if not leaf:
         return []
     found = [x for x in names if _initials(x) == leaf]
-    found += [x for x in difflib.get_close_matches(leaf, names, n=3, cutoff=0.6) if x not in found]
     found += [x for x in names if x.startswith(leaf) and x not in found]
+    found += [x for x in difflib.get_close_matches(leaf, names, n=3, cutoff=0.6) if x not in found]
     return found or difflib.get_close_matches(leaf, names, n=3, cutoff=0.5)
 
 
@@ -415,7 +415,8 @@ def _suggest(bad: str) -> str:
 
     A key under a known section is matched by its last name among that section's own fields,
     then among every section's fields (``opd.lr`` -> ``training.learning_rate``); it is never
-    answered with a section's own name. An unknown top-level name is matched against every key."""
+    answered with a section's own name. An unknown top-level name (a misspelled section: pydantic
+    reports the section, not the dotted key under it) is matched against every key."""
     keys = _valid_keys(ExperimentConfig)
     if "." not in bad:
         close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.6)
@@ -424,14 +425,10 @@ def _suggest(bad: str) -> str:
     depth = section.count(".") + 1
     own = [k.rsplit(".", 1)[1] for k in keys if k.startswith(section + ".") and k.count(".") == depth]
     close = [f"{section}.{x}" for x in _near_leaves(leaf, own)]
-    if not close:
+    if not close:  # every section's fields; a name several sections share is offered in each
         dotted = [k for k in keys if "." in k]
-        by_leaf = {}
-        for k in dotted:
-            by_leaf.setdefault(k.rsplit(".", 1)[1], k)
-        close = [by_leaf[x] for x in _near_leaves(leaf, list(by_leaf))]
-        if not own and not close:  # a misspelled section: the whole key against every dotted key
-            close = difflib.get_close_matches(bad, dotted, n=1, cutoff=0.6)
+        names = list(dict.fromkeys(k.rsplit(".", 1)[1] for k in dotted))
+        close = [k for x in _near_leaves(leaf, names) for k in dotted if k.rsplit(".", 1)[1] == x]
     if not close:
         return ""
     names = [f"`{x}`" for x in close[:3]]

@@ -73,6 +73,7 @@ def test_every_shipped_config_loads():
     ("rollout.batchsize", "rollout.batch_size"),
     ("opd.lr", "training.learning_rate"),  # a field of another section; once answered with `opd`
     ("sft.lr", "training.learning_rate"),
+    ("opd.batch", "training.batch_size"),  # a name several sections share: each section's offered
 ])
 def test_a_short_typo_under_a_section_suggests_that_sections_field(typo, want):
     with pytest.raises(ConfigError) as e:
