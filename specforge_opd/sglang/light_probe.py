@@ -166,6 +166,7 @@ def _plugins() -> dict:
             except Exception as e:
                 import_errors[t] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     # the registry's own wrapping of our AROUND hook, on a look-alike of the worker method
+    # (lazy: native may load only after the ``light.STUBBED`` import stubs are installed)
     from specforge_opd.sglang.native import HOOK_TARGETS
 
     mod = types.ModuleType("specforge_light_probe_target")

@@ -60,6 +60,7 @@ from specforge_opd.sglang.contract import (
     parse_native_response,
     request_timeout_s,
 )
+from specforge_opd.sglang.sizing import request_tokens
 
 log = logging.getLogger(__name__)
 
@@ -381,11 +382,6 @@ NOT_REPRODUCIBLE = (
 )
 
 
-def request_tokens(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """KV-pool tokens one native request may hold: prompt, response, and DFLASH's reserve of two blocks."""
-    return int(prompt_len) + int(max_new_tokens) + 2 * int(block_size)
-
-
 async def native_rollout_async(
     endpoints,
     prompts: list[tuple[str, list[int]]],
@@ -408,6 +404,7 @@ async def native_rollout_async(
     with ``max_new_tokens`` (``contract.request_timeout_s``). ``stats``, when given,
     receives ``retracted`` (records cut at a retraction).
     """
+    # lazy: SGLang loads this module as a plugin, and verify_client would pull aiohttp into it
     from specforge_opd.sglang.verify_client import for_each_prompt
 
     if temperature > 0:

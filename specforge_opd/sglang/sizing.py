@@ -13,6 +13,12 @@ from typing import Optional
 
 from specforge_opd.config import SGLangConfig
 
+
+def request_tokens(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """KV-pool tokens one native request may hold: prompt, response, and DFLASH's reserve of two blocks."""
+    return int(prompt_len) + int(max_new_tokens) + 2 * int(block_size)
+
+
 #: DFLASH's running-request default in 0.5.23 (``speculative_hook._handle_dflash``).
 DFLASH_RUNNING_SLOTS = 48
 
@@ -51,8 +57,6 @@ def plan_line(cfg, tconf, prompt_tokens: int, *, free_gib: float, weights_gib: f
     ``free_gib``: GPU memory free when the server starts (the GPU's minus what the trainer keeps
     there during the rollout); ``weights_gib``: the target's (and drafter's) weights.
     """
-    from specforge_opd.sglang.native import request_tokens
-
     sg = cfg.sglang
     need = request_tokens(prompt_tokens, cfg.rollout.max_new_tokens, cfg.draft.block_size)
     if sg.max_total_tokens is not None:

@@ -32,6 +32,7 @@ from specforge_opd.sglang.contract import (
     verify_request,
 )
 from specforge_opd.sglang.launcher import Endpoints, ServerError
+from specforge_opd.sglang.sizing import request_concurrency
 from specforge_opd.sglang.speculate import Drafter, PrefillResult, VerifyResult, speculate_sequence, verify_caps
 
 log = logging.getLogger(__name__)
@@ -298,8 +299,6 @@ async def for_each_prompt(endpoints, sglang_cfg: SGLangConfig, prompts: list[tup
     slots = list(getattr(endpoints, "running_slots", None) or [None] * n)
     slot_sems = [asyncio.Semaphore(k) if (token_cost is not None and k) else None for k in slots]
     if token_cost is not None and prompts:
-        from specforge_opd.sglang.sizing import request_concurrency
-
         longest = max(token_cost(ids) for _sid, ids in prompts)
         for j in range(n):
             log.info("SGLang server %s: KV pool %s tokens, running slots %s, longest request %d tokens: %d requests at "
