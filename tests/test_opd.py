@@ -101,7 +101,7 @@ def test_opd_loop_over_sglang_verify_standin(tmp_path):
     the same on-policy tau per iteration as the embedded backend; native mode refuses fixed URLs."""
     from specforge_opd.models.drafter import drafter_layer_ids
     from specforge_opd.sglang.contract import server_layer_ids
-    from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+    from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
     from specforge_opd.stages.opd import run_opd
     from specforge_opd.stages.plan import PlanError
 

@@ -11,7 +11,7 @@ from specforge_opd.rollout.engine import run_rollout
 from specforge_opd.rollout.shards import read_shards
 from specforge_opd.sglang.contract import server_layer_ids
 from specforge_opd.sglang.speculate import Drafter
-from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
 
 from conftest import make_tiny_drafter, make_tiny_target
 

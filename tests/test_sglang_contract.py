@@ -23,8 +23,9 @@ from typing import Optional
 import pytest
 
 from specforge_opd.config import SGLangConfig
-from specforge_opd.sglang import contract, launcher, native, standin
+from specforge_opd.sglang import contract, launcher, native
 from specforge_opd.sglang import wheel as sgl_wheel
+from specforge_opd.testing import standin
 
 SRT = "sglang/srt/"
 
@@ -502,7 +503,7 @@ def test_the_kv_pool_leaves_one_minus_the_fraction_of_the_memory_free_at_start(s
 
 def test_the_standins_answers_are_0_5_23s(src):
     """Entry 0 of the input log-probs, the hidden-state refusal, the layer range, queue-full 503, the model eos stop."""
-    from specforge_opd.sglang import standin_model
+    from specforge_opd.testing import standin_model
 
     lp = _compact(src.text("sglang.srt.managers.scheduler_components.logprob_result_processor"))
     assert "req.logprob.input_token_logprobs_val=[None]+input_token_logprobs[:-1]" in lp

@@ -20,7 +20,7 @@ from specforge_opd.sglang.native import (
     step_payloads,
 )
 from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_sequence
-from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
 
 from conftest import make_tiny_drafter, make_tiny_target
 from sglang_helpers import OracleDrafter

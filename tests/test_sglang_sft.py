@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specforge_opd.rollout.responses import sglang_generate
-from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
 from specforge_opd.stages.sft import SFTError
 
 from conftest import make_tiny_target

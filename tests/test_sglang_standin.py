@@ -19,8 +19,8 @@ from specforge_opd.config import SGLangConfig
 from specforge_opd.sglang.launcher import Endpoints
 from specforge_opd.sglang.native import native_rollout_async
 from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_sequence
-from specforge_opd.sglang.standin import ThreadedStandin, backend_from_args, check_layer_range, make_app, parse_flags
-from specforge_opd.sglang.standin_model import StandinBackend, StandinRequestError
+from specforge_opd.testing.standin import ThreadedStandin, backend_from_args, check_layer_range, make_app, parse_flags
+from specforge_opd.testing.standin_model import StandinBackend, StandinRequestError
 
 from conftest import make_tiny_drafter, make_tiny_target
 from sglang_helpers import OracleDrafter, greedy_reference

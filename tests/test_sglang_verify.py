@@ -19,7 +19,7 @@ from specforge_opd.config import SGLangConfig
 from specforge_opd.sglang.contract import ContractError, server_layer_ids
 from specforge_opd.sglang.launcher import Endpoints, ServerError, SGLangServer, server_args
 from specforge_opd.sglang.speculate import Drafter, LocalTarget, speculate_sequence
-from specforge_opd.sglang.standin import StandinBackend, ThreadedStandin, make_app
+from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
 from specforge_opd.sglang.verify_client import verify_rollout_async, verify_rollout_to_shards
 
 from conftest import make_tiny_drafter, make_tiny_target
@@ -195,7 +195,7 @@ def test_server_death_restart_keeps_shards_and_resumes(tiny_target_dir, tmp_path
     sequences retry (requests are stateless), shards written before stay, and the result equals a clean run."""
     target = make_tiny_target()
     once = tmp_path / "died"
-    cfg = _cfg(python=sys.executable, launch_module="specforge_opd.sglang.standin", max_retries=3)
+    cfg = _cfg(python=sys.executable, launch_module="specforge_opd.testing.standin", max_retries=3)
 
     def args(port):
         return server_args(cfg, model_path=str(tiny_target_dir), port=port, mode="verify", target_layer_ids=LAYERS) + [
@@ -221,7 +221,7 @@ def test_server_death_restart_keeps_shards_and_resumes(tiny_target_dir, tmp_path
 
 
 def test_second_death_is_a_clear_error(tiny_target_dir, tmp_path):
-    cfg = _cfg(python=sys.executable, launch_module="specforge_opd.sglang.standin", max_retries=3)
+    cfg = _cfg(python=sys.executable, launch_module="specforge_opd.testing.standin", max_retries=3)
 
     def args(port):
         return server_args(cfg, model_path=str(tiny_target_dir), port=port, mode="verify", target_layer_ids=LAYERS) + ["--standin-die-after", "1"]
@@ -315,7 +315,7 @@ def test_standin_refuses_aux_capture_as_0_5_23_does(tiny_target_dir, tmp_path):
     DSPARK, and with a draft path; the launcher's verify arguments pass (DFLASH, no draft path)."""
     import argparse
 
-    from specforge_opd.sglang.standin import check_flags
+    from specforge_opd.testing.standin import check_flags
 
     def flags(**kw):
         base = dict(enable_return_aux_hidden_states=True, return_aux_hidden_state_layer_ids=[0, 2], speculative_algorithm=None,
@@ -336,7 +336,7 @@ def test_standin_refuses_aux_capture_as_0_5_23_does(tiny_target_dir, tmp_path):
     assert check_flags(flags(speculative_algorithm="DFLASH")) is False  # reset to none: a verify server
     assert check_flags(flags(enable_return_aux_hidden_states=False, return_aux_hidden_state_layer_ids=None,
                              speculative_algorithm="DFLASH", speculative_draft_model_path="/d")) is True
-    cfg = _cfg(python=sys.executable, launch_module="specforge_opd.sglang.standin", startup_timeout_s=60.0)
+    cfg = _cfg(python=sys.executable, launch_module="specforge_opd.testing.standin", startup_timeout_s=60.0)
 
     def without_algorithm(port):  # the arguments the launcher passed before
         a = server_args(cfg, model_path=str(tiny_target_dir), port=port, mode="verify", target_layer_ids=LAYERS)

@@ -4,7 +4,8 @@
 * ``launcher``: start a stock SGLang server (or connect to given URLs), health, restart once.
 * ``verify_client``: verify mode, our process drafts and SGLang verifies over HTTP.
 * ``native``: native mode, SGLang runs DFLASH itself; the plugin and the record conversion.
-* ``standin``: a stand-in HTTP server answering the same JSON from an in-process target (tests).
+
+The stand-in server for tests is ``specforge_opd.testing.standin``.
 
 Nothing here imports SGLang at module level: it usually lives in another environment.
 """

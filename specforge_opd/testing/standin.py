@@ -25,7 +25,7 @@ retracts each native request once after N verify steps (SGLang re-prefills it,
 which emits one token outside any verify step); ``--standin-bf16`` rounds logits
 and hidden states to bfloat16.
 
-Run: ``python -m specforge_opd.sglang.standin --model-path DIR --port P [SGLang flags]``.
+Run: ``python -m specforge_opd.testing.standin --model-path DIR --port P [SGLang flags]``.
 """
 
 from __future__ import annotations
@@ -42,9 +42,7 @@ from aiohttp import web
 
 from specforge_opd.sglang.contract import server_layer_ids
 from specforge_opd.sglang.speculate import Drafter
-from specforge_opd.sglang.standin_model import DEFAULT_FORCE_STREAM_INTERVAL, StandinBackend, StandinRequestError
-
-STANDIN_VERSION = "0.5.23-standin"
+from specforge_opd.testing.standin_model import DEFAULT_FORCE_STREAM_INTERVAL, StandinBackend, StandinRequestError
 
 #: The app's request counters (``ThreadedStandin.max_in_flight`` reads them).
 STATE_KEY = web.AppKey("standin_state", dict)

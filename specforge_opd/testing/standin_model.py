@@ -36,6 +36,9 @@ from specforge_opd.sglang.contract import SGLANG_CAPTURE_OFFSET
 from specforge_opd.sglang.native import is_request_level_key, request_tokens, step_payloads
 from specforge_opd.sglang.speculate import LocalTarget, accepted_count
 
+#: The version ``/server_info`` reports (a stand-in for 0.5.23).
+STANDIN_VERSION = "0.5.23-standin"
+
 #: SGLang 0.5.23's default of ``SGLANG_FORCE_STREAM_INTERVAL``.
 DEFAULT_FORCE_STREAM_INTERVAL = 50
 
@@ -239,8 +242,6 @@ class StandinBackend:
 
     def server_info(self) -> dict:
         """``/server_info`` as 0.5.23 answers it: version, pool, running limit, and the resolved fields we read."""
-        from specforge_opd.sglang.standin import STANDIN_VERSION
-
         return {"version": STANDIN_VERSION, "standin": True, "max_total_num_tokens": self.pool_tokens,
                 "max_running_requests": self.running_slots, "max_queued_requests": self.max_queued_requests,
                 "internal_states": [{"effective_max_running_requests_per_dp": self.running_slots}],
