@@ -4,6 +4,7 @@ import cmath
 import math
 import re
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -190,8 +191,37 @@ def test_the_source_loads_as_records_cached_and_keyed_by_both_generators(tmp_pat
 
     import sympy
 
-    digest = {m: hashlib.sha1(open(m.__file__, "rb").read()).hexdigest() for m in (math_problems, math_problems_v2)}
-    assert stamps["math_problems_v2"] == f"{digest[math_problems_v2]}|{digest[math_problems]}|{sympy.__version__}"
+    from specforge_opd.data import math_latex, math_prealgebra_precalculus
+
+    digest = {m: hashlib.sha1(open(m.__file__, "rb").read()).hexdigest()
+              for m in (math_problems, math_problems_v2, math_latex, math_prealgebra_precalculus)}
+    assert stamps["math_problems_v2"] == (f"{digest[math_problems_v2]}|{digest[math_problems]}|{digest[math_latex]}|"
+                                          f"{digest[math_prealgebra_precalculus]}|{sympy.__version__}")
+    # every module the generator's code comes from is in the stamp: a helper module left out would let its edits
+    # reuse a stale cache
+    data = Path(math_problems_v2.__file__).parent
+    for name in _generator_modules():
+        assert hashlib.sha1((data / f"{name}.py").read_bytes()).hexdigest() in stamps["math_problems_v2"], name
+
+
+def _generator_modules() -> set[str]:
+    """The ``specforge_opd.data`` modules that ``math_problems_v2`` imports, itself and indirect ones included (read
+    from the source)."""
+    import ast
+
+    data = Path(math_problems_v2.__file__).parent
+    todo, seen = ["math_problems_v2"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((data / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "specforge_opd.data":
+                todo += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specforge_opd.data."):
+                todo.append(node.module.rsplit(".", 1)[1])
+    return seen
 
 
 def test_the_pool_deduplicates_it_against_the_evaluation_sets(tmp_path, monkeypatch):

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from specforge_opd.atomic import atomic_write_text
-from specforge_opd.data import math_problems, math_problems_v2
+from specforge_opd.data import math_latex, math_prealgebra_precalculus, math_problems, math_problems_v2
 from specforge_opd.data.locations import AssetError, cache_dir, package_dir, package_file
 # the record schema and the parsers live in their own modules; the names callers reach as prompts.X stay here
 from specforge_opd.data.prompt_record import OverlapIndex, PromptRecord, PromptsError, normalize_text, slice_of  # noqa: F401
@@ -299,8 +299,10 @@ def load_source(
         import sympy
 
         src = Path(math_problems_v2.__file__)
-        # its draw calls math_problems's templates too: either module's text changes the records
-        digests = "|".join(hashlib.sha1(Path(m.__file__).read_bytes()).hexdigest() for m in (math_problems_v2, math_problems))
+        # its draw calls math_problems's templates and the code of its two helper modules: any of these
+        # modules' text changes the records
+        generators = (math_problems_v2, math_problems, math_latex, math_prealgebra_precalculus)
+        digests = "|".join(hashlib.sha1(Path(m.__file__).read_bytes()).hexdigest() for m in generators)
         stamp = f"{digests}|{sympy.__version__}"
         return _cached(name, src, lambda _src: [
             PromptRecord(id=rid, source=name, prompt=prompt, answer=answer,
