@@ -19,7 +19,7 @@ from specforge_opd.errors import USER_ERROR_EXIT, UserError, is_disk_full, one_l
 
 #: verb -> "module:function" (function(argv: list[str]) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare-assets": ("specforge_opd.data.assets:cli", "convert the embedded target and unpack offline prompt sets"),
+    "prepare-assets": ("specforge_opd.data.prepare:cli", "convert the embedded target and unpack offline prompt sets"),
     "config": ("specforge_opd.cli:config_cmd", "print the resolved experiment config"),
     "sft": ("specforge_opd.stages.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
     "rollout": ("specforge_opd.rollout.engine:cli", "one speculative rollout pass to shards"),
