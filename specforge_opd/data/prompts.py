@@ -54,6 +54,7 @@ from typing import Any, Iterator, Optional
 
 from specforge_opd.atomic import atomic_write_text
 from specforge_opd.data import math_latex, math_prealgebra_precalculus, math_problems, math_problems_v2
+from specforge_opd.data.chat import render_prompt
 from specforge_opd.data.locations import AssetError, cache_dir, package_dir, package_file
 # the record schema and the parsers live in their own modules; the names callers reach as prompts.X stay here
 from specforge_opd.data.prompt_record import OverlapIndex, PromptRecord, PromptsError, normalize_text, slice_of  # noqa: F401
@@ -61,6 +62,7 @@ from specforge_opd.data.sources import (  # noqa: F401
     HUB_SOURCES, HUMANEVAL_FILE, HUMANEVAL_INSTRUCTION, MMATH_FILE, MMATH_SPLITS, MORE_PYTHON_TREES, MTBENCH_FILE,
     SHAREGPT_FILE, SYMPY_TREE, _hub_offline, _parse_humaneval, _parse_mmath, _parse_mtbench, _parse_sharegpt,
     _parse_sharegpt_turns, _sharegpt_later_turns, _sharegpt_record, iter_truncated_json_array, load_hub_source)
+from specforge_opd.stepkeys import SFTError
 
 log = logging.getLogger(__name__)
 
@@ -523,12 +525,8 @@ def render_training_prompt(tokenizer, record, cfg) -> str:
     if not messages:
         text = getattr(record, "prompt", None)
         if not text:
-            from specforge_opd.stepkeys import SFTError
-
             raise SFTError(f"prompt record {getattr(record, 'id', '?')!r} has neither messages nor a prompt")
         messages = [{"role": "user", "content": text}]
-    from specforge_opd.data.chat import render_prompt
-
     return render_prompt(tokenizer, messages, thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
 
 
@@ -555,8 +553,6 @@ def tokenize_prompts(records, tokenizer, cfg) -> tuple[list[tuple[str, list[int]
         SFTError: a prompt is longer than ``prompt_limit(cfg)`` and ``target.too_long`` is
             ``error``, or ``target.max_context`` leaves no room for ``sft.max_new_tokens``.
     """
-    from specforge_opd.stepkeys import SFTError
-
     limit = prompt_limit(cfg)
     if limit <= 0:
         raise SFTError(
