@@ -21,6 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specforge_opd.errors import UserError
+# the one import of a higher layer: a config path may be published:NAME (the registry imports only the stdlib)
+from specforge_opd.models.published import SCHEME, resolve
 
 
 class ConfigError(UserError, ValueError):
@@ -368,8 +370,6 @@ class ExperimentConfig(Section):
         """
         if p is None:
             return None
-        from specforge_opd.models.published import SCHEME, resolve
-
         if str(p).startswith(SCHEME):
             try:
                 return resolve(str(p))

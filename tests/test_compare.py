@@ -106,7 +106,7 @@ def test_published_paths_resolve_and_unknown_names_say_what_exists(tmp_path, mon
 
 
 def test_trained_positions_counts_anchors_per_sample():
-    from specforge_opd.models.published import trained_positions
+    from specforge_opd.stages.publish import trained_positions
 
     # supervised 5 -> 4 anchors, 200 -> capped at 128; block 8; two whole epochs, then half of one
     assert trained_positions(4, [5, 200], 128, 8) == 2 * (4 + 128) * 8
@@ -137,7 +137,7 @@ def test_publish_stores_bf16_exact_weights_in_bf16_and_they_load_unchanged(tmp_p
     from safetensors.torch import load_file
 
     from specforge_opd.models.drafter import load_drafter
-    from specforge_opd.models.published import _store_bf16_if_exact
+    from specforge_opd.stages.publish import _store_bf16_if_exact
 
     from conftest import make_tiny_target
 

@@ -162,19 +162,27 @@ def test_attributes_reached_through_a_module_exist():
     assert not missing, missing
 
 
+def test_the_published_registry_imports_only_the_stdlib():
+    """``config`` imports ``models.published`` at module level (a config path may be ``published:NAME``), the
+    one import of the ground layer upward: the registry imports nothing else, so config stays the ground layer
+    and torch-free. Publishing and its check live in ``stages.publish``."""
+    import sys
+
+    f = PKG / "models" / "published.py"
+    mods = {m for m, _ in _imports(f, top_level_only=False)}
+    assert mods and all(m.split(".")[0] in sys.stdlib_module_names for m in mods), sorted(mods)
+
+
 # --- layers: every internal import, function-level ones included -------------------------------------------
 
 #: A ratchet toward the layers the README's design section describes: each refactoring step lowers these
 #: numbers (never raises them), and the goals are at most 10% function-level imports, no cycle, no module over
 #: 600 lines and no function over 120.
-FUNCTION_LEVEL_CAP = 164
+FUNCTION_LEVEL_CAP = 153
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES = [
-    {"cli", "config", "data.prompts", "eval.evaluate", "eval.validation", "models.drafter",
-     "models.published", "rollout.engine", "rollout.responses", "run_fingerprint",
-     "sglang.launcher", "sglang.native", "sglang.rollout_backend", "sglang.sizing", "sglang.verify_client",
-     "stages.opd", "stages.opd_validation", "stages.plan", "stages.preflight", "stages.sft_features", "stepkeys",
-     "train.checkpoint", "train.trainer"},
+    {"eval.evaluate", "eval.validation", "rollout.engine", "stages.opd", "stages.opd_validation",
+     "stages.preflight", "train.trainer"},
     {"stages.baselines", "stages.compare"},
 ]
 MAX_MODULE_LINES = 600

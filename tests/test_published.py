@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specforge_opd.models import published
+from specforge_opd.stages import publish
 
 
 @pytest.mark.parametrize("name", published.available())
@@ -45,7 +46,7 @@ def test_published_drafter_replays_to_its_recorded_tau(tmp_path, name):
     rec = published.read_record(name)
     bundle = load_target(load_config(None, ["target.dtype=float32", "target.device=cpu"]).target)
     load_drafter(d, target_config=bundle.model.config)  # fits the embedded target
-    got = published.run_check(d, tmp_path / "check", [f"eval.cache_dir={tmp_path / 'cache'}"])
+    got = publish.run_check(d, tmp_path / "check", [f"eval.cache_dir={tmp_path / 'cache'}"])
     assert got["datasets"] == rec["check"]["datasets"]
     for ds in got["datasets"]:
         # exact replay at T=0; a tie between two logits may flip on another CPU, hence the small tolerance
@@ -61,10 +62,10 @@ def test_publish_finds_the_responses_of_a_run_that_reused_them(tmp_path):
     (tmp_path / "base" / "responses-abc").mkdir(parents=True)
     (tmp_path / "run").mkdir()
     cfg = load_config(None, [f"output.dir={tmp_path / 'run'}", f"sft.reuse_from={tmp_path / 'base'}"])
-    assert published.responses_dirs(cfg) == [tmp_path / "base" / "responses-abc"]
+    assert publish.responses_dirs(cfg) == [tmp_path / "base" / "responses-abc"]
     (tmp_path / "run" / "responses-own").mkdir()
-    assert published.responses_dirs(cfg) == [tmp_path / "run" / "responses-own"]
-    assert published.responses_dirs(load_config(None, [f"output.dir={tmp_path / 'none'}"])) == []
+    assert publish.responses_dirs(cfg) == [tmp_path / "run" / "responses-own"]
+    assert publish.responses_dirs(load_config(None, [f"output.dir={tmp_path / 'none'}"])) == []
 
 
 def _configs_starting_from_published():
@@ -94,8 +95,19 @@ def test_configs_describe_the_published_drafter_they_start_from(config):
 def test_publish_needs_a_name(capsys):
     """Publishing over a shipped name would replace the drafter users' configs resolve: no default name."""
     with pytest.raises(SystemExit) as e:
-        published.cli(["publish", "--export", "x", "--config", "y"])
+        publish.cli(["publish", "--export", "x", "--config", "y"])
     assert e.value.code == 2 and "--name" in capsys.readouterr().err
+
+
+def test_the_registry_lists_and_names_the_command_that_publishes(capsys):
+    """``python -m specforge_opd.models.published`` still lists; its old ``publish`` says where publishing went."""
+    assert published.cli(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert f"{published.SCHEME}{published.EMBEDDED_DRAFTER}: step " in listed
+    assert publish.cli(["list"]) == 0 and capsys.readouterr().out == listed
+    assert published.cli(["publish", "--export", "x y", "--config", "c.yaml"]) == 2
+    assert capsys.readouterr().err == ("publish moved: run python -m specforge_opd.stages.publish publish "
+                                       "--export 'x y' --config c.yaml\n")
 
 
 def test_a_second_stage_records_the_first_stage_it_started_from(tmp_path):
@@ -115,12 +127,12 @@ def test_a_second_stage_records_the_first_stage_it_started_from(tmp_path):
     stage1_cfg = tmp_path / "stage1.yaml"
     stage1_cfg.write_text("name: stage1\n")
     cfg = load_config(None, [f"sft.init_drafter={first}"])
-    got = published.earlier_stages(cfg, [stage1_cfg])
+    got = publish.earlier_stages(cfg, [stage1_cfg])
     assert got == [{"config_file": str(stage1_cfg), "config": "name: stage1\n"},
                    {"init_drafter": str(first), "step": 500, "selected_tau": 1.6,
                     "curve": [{"step": 250, "tau": 1.5}, {"step": 500, "tau": 1.6}], "init_drafter_of_it": "published:start"}]
     # a published start has its own training record: only the earlier configs, if any, are kept
-    assert published.earlier_stages(load_config(None, ["sft.init_drafter=published:start"])) == []
+    assert publish.earlier_stages(load_config(None, ["sft.init_drafter=published:start"])) == []
 
 
 def test_a_retired_drafter_is_refused_with_its_successor_and_recipe():

@@ -26,6 +26,7 @@ from typing import Optional
 
 from specforge_opd.config import load_config
 from specforge_opd.models.drafter import read_drafter_metadata
+from specforge_opd.stages.publish import source_commit
 
 
 def opd_drafter_flops(opd_final: Path) -> float:
@@ -137,8 +138,6 @@ def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_sec
     its mean, and the cumulative drafter-training FLOPs (None for prompt lookup).
     ``stage_seconds``: wall time per stage; ``seeds``: the seeds behind the rows.
     """
-    from specforge_opd.models.published import source_commit
-
     commit = source_commit()
     rows = []
     for n in names:
