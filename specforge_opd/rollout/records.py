@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-TEACHER_FORMS = ("full", "topk", "token")
+from specforge_opd.teacher_form import TEACHER_FORMS  # noqa: F401  (re-exported: the record's forms)
 
 
 @dataclass

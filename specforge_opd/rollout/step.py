@@ -45,8 +45,7 @@ import torch
 from specforge_opd.models.grouped_attention import grouped_attention
 from specforge_opd.rollout.decode import HFCache, TargetRunner, left_pad, prefill, step_mask
 from specforge_opd.rollout.records import RolloutRecord
-
-TEACHER_FORMS = ("full", "topk", "token")
+from specforge_opd.teacher_form import TEACHER_FORMS
 
 
 # ---------------------------------------------------------------------------

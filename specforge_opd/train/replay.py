@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask
 from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.teacher_form import TEACHER_FORMS
 from specforge_opd.train.losses import SlotPlan
 
 
@@ -299,7 +300,7 @@ def recompute_from_target(
         ReplayError: unknown ``form``, non-positive group/chunk sizes, or a target
             without a decoder body.
     """
-    if form not in ("full", "topk", "token"):
+    if form not in TEACHER_FORMS:
         raise ReplayError(f"rollout.teacher={form!r}: expected full, topk or token")
     if max_blocks_per_forward < 1 or chunk_rows < 1:
         raise ReplayError(
