@@ -83,15 +83,16 @@ def main() -> None:
     results["specforge_sft_positions_per_s"] = M * bs / sf_s
 
     def make_record(form: str) -> RolloutRecord:
-        r = RolloutRecord(sample_id="b", input_ids=ids, prompt_len=prompt, anchors=anchors, drafts=drafts, accepted=accepted, features=feats)
+        teacher = {}
         if form == "full":
-            r.teacher_hidden = torch.randn(M, bs - 1, args.hidden)
+            teacher["teacher_hidden"] = torch.randn(M, bs - 1, args.hidden)
         else:
-            r.teacher_draft_logprob = -torch.rand(M, bs - 1) * 3
+            teacher["teacher_draft_logprob"] = -torch.rand(M, bs - 1) * 3
             if form == "topk":
-                r.teacher_topk_ids = torch.randint(0, args.vocab, (M, bs - 1, args.topk))
-                r.teacher_topk_logprobs = torch.log_softmax(torch.randn(M, bs - 1, args.topk), -1) - 0.1
-        return r
+                teacher["teacher_topk_ids"] = torch.randint(0, args.vocab, (M, bs - 1, args.topk))
+                teacher["teacher_topk_logprobs"] = torch.log_softmax(torch.randn(M, bs - 1, args.topk), -1) - 0.1
+        return RolloutRecord(sample_id="b", input_ids=ids, prompt_len=prompt, anchors=anchors, drafts=drafts, accepted=accepted, features=feats,
+                             **teacher)
 
     for form in ("token", "topk", "full"):
         rec = make_record(form)

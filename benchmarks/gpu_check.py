@@ -300,16 +300,16 @@ def section_trainer(args, out: Section) -> None:
                                                                                      "drafter_params": sum(p.numel() for p in drafter.parameters())})
 
     def record(form: str) -> RolloutRecord:
-        r = RolloutRecord(sample_id="g", input_ids=ids.to(device), prompt_len=prompt, anchors=anchors.to(device), drafts=drafts.to(device),
-                          accepted=accepted.to(device), features=feats)
+        teacher = {}
         if form == "full":
-            r.teacher_hidden = torch.randn(M, bs - 1, H, generator=g).to(device, sh["dtype"])
+            teacher["teacher_hidden"] = torch.randn(M, bs - 1, H, generator=g).to(device, sh["dtype"])
         else:
-            r.teacher_draft_logprob = (-torch.rand(M, bs - 1, generator=g) * 3).to(device)
+            teacher["teacher_draft_logprob"] = (-torch.rand(M, bs - 1, generator=g) * 3).to(device)
             if form == "topk":
-                r.teacher_topk_ids = torch.randint(0, V, (M, bs - 1, 32), generator=g).to(device)
-                r.teacher_topk_logprobs = (torch.log_softmax(torch.randn(M, bs - 1, 32, generator=g), -1) - 0.1).to(device)
-        return r
+                teacher["teacher_topk_ids"] = torch.randint(0, V, (M, bs - 1, 32), generator=g).to(device)
+                teacher["teacher_topk_logprobs"] = (torch.log_softmax(torch.randn(M, bs - 1, 32, generator=g), -1) - 0.1).to(device)
+        return RolloutRecord(sample_id="g", input_ids=ids.to(device), prompt_len=prompt, anchors=anchors.to(device), drafts=drafts.to(device),
+                             accepted=accepted.to(device), features=feats, **teacher)
 
     results = {}
     # SpecForge's DFlash SFT step on the same sequence and features: 512 random anchors, CE.

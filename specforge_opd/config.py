@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specforge_opd.errors import UserError
 # the one import of a higher layer: a config path may be published:NAME (the registry imports only the stdlib)
 from specforge_opd.models.published import SCHEME, resolve
+from specforge_opd.teacher_form import TEACHER_FORMS, TeacherForm, bonus_teacher_missing  # noqa: F401  (re-exported)
 
 
 class ConfigError(UserError, ValueError):
@@ -113,7 +114,7 @@ class RolloutConfig(Section):
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    teacher: Literal["full", "topk", "token"] = "full"
+    teacher: TeacherForm = "full"
     teacher_topk: int = Field(default=32, gt=0)
     anchors: Literal["real", "random"] = "real"
     #: Store target context features in shards (False: the trainer recomputes them).

@@ -76,6 +76,13 @@ def make_record(
         o = target(inp, output_hidden_states=True)
         th[m] = o.hidden_states[-1][0, am : am + n]
         logp[m] = F.log_softmax(o.logits[0, am : am + n].float(), -1)
+    if form == "full":
+        teacher = {"teacher_hidden": th}
+    else:
+        teacher = {"teacher_draft_logprob": logp.gather(-1, drafts_t.view(M, n, 1)).squeeze(-1)}
+        if form == "topk":
+            v, i = logp.topk(topk, -1)
+            teacher.update(teacher_topk_ids=i, teacher_topk_logprobs=v)
     rec = RolloutRecord(
         sample_id=sample_id or f"s{seed}",
         input_ids=ids,
@@ -85,14 +92,8 @@ def make_record(
         accepted=acc_t,
         features=feats,
         drafter_step=drafter_step,
+        **teacher,
     )
-    if form == "full":
-        rec.teacher_hidden = th
-    else:
-        rec.teacher_draft_logprob = logp.gather(-1, drafts_t.view(M, n, 1)).squeeze(-1)
-        if form == "topk":
-            v, i = logp.topk(topk, -1)
-            rec.teacher_topk_ids, rec.teacher_topk_logprobs = i, v
     rec.validate()
     return rec
 

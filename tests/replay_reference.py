@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specforge_opd.models.adapter import extract_context_feature
-from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.records import RolloutRecord, Teacher
 
 
 def verify_mask(T: int, anchors: torch.Tensor, block_size: int, device=None) -> torch.Tensor:
@@ -79,19 +79,17 @@ def recompute_from_target_dense(
     )
     S = T - 1
     feats = extract_context_feature(out.hidden_states, layer_ids)[0, :S].float()
-    new = dataclasses.replace(
-        record, features=feats, teacher_hidden=None, teacher_topk_ids=None, teacher_topk_logprobs=None, teacher_draft_logprob=None
-    )
     if form == "full":
-        new.teacher_hidden = out.hidden_states[-1][0, S:].float().view(M, n, -1)
-        return new
+        return dataclasses.replace(record, features=feats, teacher=Teacher("full", hidden=out.hidden_states[-1][0, S:].float().view(M, n, -1)))
     logp = F.log_softmax(out.logits[0, S:].float(), dim=-1).view(M, n, -1)
-    new.teacher_draft_logprob = logp.gather(-1, record.drafts.to(device).view(M, n, 1)).squeeze(-1)
+    draft_logprob = logp.gather(-1, record.drafts.to(device).view(M, n, 1)).squeeze(-1)
     if form == "topk":
         vals, idx = logp.topk(min(topk, logp.shape[-1]), dim=-1)
-        new.teacher_topk_ids, new.teacher_topk_logprobs = idx, vals
-    elif form != "token":
+        teacher = Teacher("topk", topk_ids=idx, topk_logprobs=vals, draft_logprob=draft_logprob)
+    elif form == "token":
+        teacher = Teacher("token", draft_logprob=draft_logprob)
+    else:
         raise ValueError(f"rollout.teacher={form!r}: expected full, topk or token")
-    return new
+    return dataclasses.replace(record, features=feats, teacher=teacher)
 
 

@@ -188,12 +188,12 @@ KNOWN_CYCLES = [
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 #: module -> its line count today: it may shrink, not grow
-OVERSIZE_MODULES = {"eval.evaluate": 894, "models.drafter": 640, "rollout.step": 1012, "stages.opd": 637,
+OVERSIZE_MODULES = {"eval.evaluate": 894, "models.drafter": 640, "rollout.step": 1004, "stages.opd": 637,
                     "train.trainer": 709}
 #: (module, function) -> its line count today (docstring and nested definitions included)
 LONG_FUNCTIONS = {("stages.opd", "run_opd"): 274, ("train.trainer", "distill"): 253,
                   ("stages.sft", "_run_sft"): 222, ("rollout.step", "speculate"): 161,
-                  ("train.replay", "recompute_from_target"): 150}
+                  ("train.replay", "recompute_from_target"): 146}
 
 
 def _is_module(dotted: str) -> bool:

@@ -229,7 +229,7 @@ def test_distill_in_groups_equals_one_forward(tmp_path, source):
     records = make_records(target, drafter_layer_ids(drafter), 3, block_size=4, response_len=12)
     if source == "target":
         for r in records:
-            r.features, r.teacher_hidden = None, None
+            r.features, r.teacher = None, None
     grads = {}
     for G in (512, 1):
         seen = []

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specforge_opd.rollout import shards
-from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.records import TEACHER_TENSORS, RolloutRecord, Teacher
 from specforge_opd.rollout.shards import ShardError, ShardWriter, inspect_dir, read_shards, shard_meta
+from specforge_opd.teacher_form import TEACHER_FORMS
 
 BS = 4
 META = {"block_size": BS, "target_layer_ids": [1, 2], "target_identity": "abc123", "mask_token_id": 96, "teacher": "topk",
@@ -25,31 +26,36 @@ def make_record(sid: str, prompt_len: int, accepted: list[int], form: str = "top
     for r in accepted[:-1]:
         anchors.append(anchors[-1] + r + 1)
     T = anchors[-1] + accepted[-1] + 2
+    ids = torch.randint(0, 90, (T,), generator=g)
+    drafts = torch.randint(0, 90, (M, BS - 1), generator=g)
+    feats = torch.randn(T - 1, 8, generator=g) if features else None
+    teacher = {}
+    if form == "full":
+        teacher["teacher_hidden"] = torch.randn(M, BS - 1, 4, generator=g)
+    if form == "topk":
+        teacher["teacher_topk_ids"] = torch.randint(0, 90, (M, BS - 1, 3), generator=g)
+        teacher["teacher_topk_logprobs"] = -torch.rand(M, BS - 1, 3, generator=g)
+    if form in ("topk", "token"):
+        teacher["teacher_draft_logprob"] = -torch.rand(M, BS - 1, generator=g)
     rec = RolloutRecord(
         sample_id=sid,
-        input_ids=torch.randint(0, 90, (T,), generator=g),
+        input_ids=ids,
         prompt_len=prompt_len,
         anchors=torch.tensor(anchors),
-        drafts=torch.randint(0, 90, (M, BS - 1), generator=g),
+        drafts=drafts,
         accepted=torch.tensor(accepted),
-        features=torch.randn(T - 1, 8, generator=g) if features else None,
+        features=feats,
         finished=bool(seed % 2),
         drafter_step=7,
+        **teacher,
     )
-    if form == "full":
-        rec.teacher_hidden = torch.randn(M, BS - 1, 4, generator=g)
-    if form == "topk":
-        rec.teacher_topk_ids = torch.randint(0, 90, (M, BS - 1, 3), generator=g)
-        rec.teacher_topk_logprobs = -torch.rand(M, BS - 1, 3, generator=g)
-    if form in ("topk", "token"):
-        rec.teacher_draft_logprob = -torch.rand(M, BS - 1, generator=g)
     rec.validate()
     return rec
 
 
 def _same(a: RolloutRecord, b: RolloutRecord):
     assert a.sample_id == b.sample_id and a.prompt_len == b.prompt_len and a.finished == b.finished
-    assert a.drafter_step == b.drafter_step
+    assert a.drafter_step == b.drafter_step and a.teacher_form() == b.teacher_form()
     for name in ("input_ids", "anchors", "drafts", "accepted", "features", "teacher_hidden", "teacher_topk_ids",
                  "teacher_topk_logprobs", "teacher_draft_logprob"):
         x, y = getattr(a, name), getattr(b, name)
@@ -74,6 +80,28 @@ def test_round_trip(tmp_path, form, features):
     assert [s["file"] for s in man["shards"]] == [p1.name, p2.name]
     assert man["shards"][0]["sequences"] == 2 and man["shards"][0]["blocks"] == 4
     assert shard_meta(tmp_path)["target_identity"] == "abc123"
+
+
+def test_teacher_is_one_tagged_value():
+    """A record holds one ``Teacher`` of one form; the four ``teacher_*`` keywords build it and read it back."""
+    assert set(TEACHER_TENSORS) == set(TEACHER_FORMS) and shards._TEACHER == TEACHER_TENSORS["full"] + TEACHER_TENSORS["topk"]
+    for form in TEACHER_FORMS:
+        rec = make_record("a", 5, [0, 2], form)
+        assert rec.teacher.form == rec.teacher_form() == form
+        assert tuple(rec.teacher.tensors()) == TEACHER_TENSORS[form]
+        assert all((getattr(rec, n) is not None) == (n in TEACHER_TENSORS[form]) for n in shards._TEACHER)
+        again = RolloutRecord(rec.sample_id, rec.input_ids, rec.prompt_len, rec.anchors, rec.drafts, rec.accepted, teacher=rec.teacher)
+        assert again.teacher is rec.teacher
+    with pytest.raises(AttributeError):
+        rec.teacher_draft_logprob = None  # read-only: replace the teacher as a whole
+    with pytest.raises(ValueError, match="no teacher form's set"):
+        Teacher.of(teacher_topk_ids=torch.zeros(2, BS - 1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="the topk teacher holds"):
+        Teacher("topk", draft_logprob=torch.zeros(2, BS - 1))
+    with pytest.raises(ValueError, match="not both"):
+        RolloutRecord("a", rec.input_ids, 5, rec.anchors, rec.drafts, rec.accepted, teacher_hidden=torch.zeros(2, BS - 1, 4),
+                      teacher=rec.teacher)
+    assert Teacher.of() is None and make_record("a", 5, [0, 2], "none").teacher is None
 
 
 def test_inspect_summary_numbers(tmp_path, capsys):

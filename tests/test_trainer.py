@@ -7,6 +7,7 @@ import torch
 
 from specforge_opd.config import load_config
 from specforge_opd.models.drafter import drafter_layer_ids, load_drafter
+from specforge_opd.rollout.records import Teacher
 from specforge_opd.train.replay import recompute_from_target
 from specforge_opd.train.trainer import BatchOrder, InjectedFault, NonFiniteError, distill
 
@@ -141,7 +142,7 @@ def test_feature_source_target_gives_the_same_loss(tmp_path, setup, form):
     recs = make_records(target, layers, 2, block_size=4, response_len=10, form=form, topk=8, seed0=300)
     bare = [recompute_from_target(target, r, layers, form=form) for r in recs]
     for b in bare:
-        b.features, b.teacher_hidden, b.teacher_topk_ids, b.teacher_topk_logprobs, b.teacher_draft_logprob = (None,) * 5
+        b.features, b.teacher = None, None
     losses = {}
     for src, data in (("shard", recs), ("target", bare)):
         cfg = _cfg(tmp_path / src, num_epochs=1, batch_size=2, feature_source=src)
@@ -196,8 +197,7 @@ def test_verified_accepted_stream_trains_the_bonus_slot_too(tmp_path, setup):
 
     token = copy.deepcopy(records)  # the module's records stay as they are
     for r in token:
-        r.teacher_draft_logprob = torch.zeros(r.drafts.shape)
-        r.teacher_hidden = None
+        r.teacher = Teacher("token", draft_logprob=torch.zeros(r.drafts.shape))
     with pytest.raises(ValueError, match="accepted_stream=verified"):
         distill(_cfg(tmp_path / "tok", accepted_stream="verified"), drafter_init=drafter, out_dir=tmp_path / "tok",
                 target=target, records=token, progress=False)

@@ -26,7 +26,7 @@ from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
 from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.decode import TargetRunner
-from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.records import RolloutRecord, Teacher
 from specforge_opd.rollout.step import (
     COMPACT_BELOW,
     COMPACT_MIN_SLOTS,
@@ -385,9 +385,7 @@ class SpeculativeEngine:
         acc = accepted_counts(drafts, post)
         teacher = teacher_signal(Verified(logits=logits, hidden=hidden), drafts.to(logits.device), self.rcfg.teacher, self.rcfg.teacher_topk)
         rec.anchors, rec.drafts, rec.accepted = anchors, drafts, acc
-        rec.teacher_hidden = rec.teacher_topk_ids = rec.teacher_topk_logprobs = rec.teacher_draft_logprob = None
-        for k, v in teacher.items():
-            setattr(rec, k, v.cpu())
+        rec.teacher = Teacher.of(**{k: v.cpu() for k, v in teacher.items()})
         rec.extra["anchors"] = "random"
         if self.record_draft_logits:
             rec.extra["draft_logits"] = dlogits.cpu()

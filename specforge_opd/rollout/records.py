@@ -30,10 +30,74 @@ from typing import Optional
 
 import torch
 
-TEACHER_FORMS = ("full", "topk", "token")
+from specforge_opd.teacher_form import TEACHER_FORMS, TeacherForm
+
+#: The tensors each teacher form holds, by their ``RolloutRecord`` names (also the shard's tensor keys).
+TEACHER_TENSORS: dict[str, tuple[str, ...]] = {
+    "full": ("teacher_hidden",),
+    "topk": ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob"),
+    "token": ("teacher_draft_logprob",),
+}
+_TEACHER_NAMES = ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob")
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
+class Teacher:
+    """One record's teacher signal in one form; index ``k-1`` along the second axis is drafted slot k.
+
+    Attributes (M blocks, bs block size):
+        form: ``full``, ``topk`` or ``token`` (``TEACHER_FORMS``).
+        hidden: float [M, bs-1, H], ``full``: the target's final-norm hidden state at
+            verify slots 0..bs-2; logits = lm_head(hidden).
+        topk_ids: int64 [M, bs-1, k], ``topk``.
+        topk_logprobs: float32 [M, bs-1, k], ``topk`` (temperature 1, unfiltered).
+        draft_logprob: float32 [M, bs-1], ``topk`` and ``token``: log p(d_{m,k}) under the teacher.
+
+    Raises:
+        ValueError: an unknown form, or tensors other than exactly the form's.
+    """
+
+    form: TeacherForm
+    hidden: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
+    topk_logprobs: Optional[torch.Tensor] = None
+    draft_logprob: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.form not in TEACHER_FORMS:
+            raise ValueError(f"teacher form {self.form!r}: expected one of {', '.join(TEACHER_FORMS)}")
+        have = tuple(self.tensors())
+        if have != TEACHER_TENSORS[self.form]:
+            raise ValueError(f"the {self.form} teacher holds {', '.join(TEACHER_TENSORS[self.form])}; got {', '.join(have) or 'none'}")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors present, by their record (and shard) names, in ``TEACHER_TENSORS`` order."""
+        vals = (self.hidden, self.topk_ids, self.topk_logprobs, self.draft_logprob)
+        return {name: t for name, t in zip(_TEACHER_NAMES, vals) if t is not None}
+
+    @classmethod
+    def of(cls, teacher_hidden: Optional[torch.Tensor] = None, teacher_topk_ids: Optional[torch.Tensor] = None,
+           teacher_topk_logprobs: Optional[torch.Tensor] = None, teacher_draft_logprob: Optional[torch.Tensor] = None) -> Optional[Teacher]:
+        """The teacher that the tensors given by their record names make; its form is the one holding exactly those.
+
+        Returns None when every tensor is None.
+
+        Raises:
+            ValueError: the tensors given are no form's set.
+        """
+        given = {"teacher_hidden": teacher_hidden, "teacher_topk_ids": teacher_topk_ids,
+                 "teacher_topk_logprobs": teacher_topk_logprobs, "teacher_draft_logprob": teacher_draft_logprob}
+        names = tuple(n for n, t in given.items() if t is not None)
+        if not names:
+            return None
+        form = next((f for f, want in TEACHER_TENSORS.items() if want == names), None)
+        if form is None:
+            raise ValueError(f"teacher tensors {', '.join(names)} are no teacher form's set: "
+                             + "; ".join(f"{f}: {', '.join(want)}" for f, want in TEACHER_TENSORS.items()))
+        return cls(form, teacher_hidden, teacher_topk_ids, teacher_topk_logprobs, teacher_draft_logprob)
+
+
+@dataclass(init=False)
 class RolloutRecord:
     """One rolled-out sequence.
 
@@ -45,14 +109,16 @@ class RolloutRecord:
         drafts: int64 [M, bs-1].
         accepted: int64 [M], values in 0..bs-1.
         features: float [T-1, n*H] or None (trainer recomputes, ``feature_source: target``).
-        teacher_hidden: float [M, bs-1, H], ``full`` form: the target's final-norm
-            hidden state at verify slots 0..bs-2; logits = lm_head(teacher_hidden).
-        teacher_topk_ids: int64 [M, bs-1, k], ``topk`` form.
-        teacher_topk_logprobs: float32 [M, bs-1, k], ``topk`` form (temperature 1, unfiltered).
-        teacher_draft_logprob: float32 [M, bs-1]: log p(d_{m,k}) under the teacher;
-            present for ``topk`` and ``token`` forms.
+        teacher: the ``Teacher`` (its form and tensors), or None (trainer recomputes it).
+            Read-only ``teacher_hidden``, ``teacher_topk_ids``, ``teacher_topk_logprobs``
+            and ``teacher_draft_logprob`` give its tensors (None when absent). The
+            constructor also takes those four as keywords and infers the form
+            (``Teacher.of``); give them or ``teacher=``, not both.
         finished: True when the sequence ended with a stop token.
         drafter_step: optimizer step of the drafter that produced the rollout.
+
+    Raises:
+        ValueError: the teacher tensors are no form's set, or both ``teacher`` and tensors are given.
     """
 
     sample_id: str
@@ -62,13 +128,60 @@ class RolloutRecord:
     drafts: torch.Tensor
     accepted: torch.Tensor
     features: Optional[torch.Tensor] = None
-    teacher_hidden: Optional[torch.Tensor] = None
-    teacher_topk_ids: Optional[torch.Tensor] = None
-    teacher_topk_logprobs: Optional[torch.Tensor] = None
-    teacher_draft_logprob: Optional[torch.Tensor] = None
+    teacher: Optional[Teacher] = None
     finished: bool = False
     drafter_step: int = 0
     extra: dict = field(default_factory=dict)
+
+    def __init__(
+        self,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        prompt_len: int,
+        anchors: torch.Tensor,
+        drafts: torch.Tensor,
+        accepted: torch.Tensor,
+        features: Optional[torch.Tensor] = None,
+        teacher_hidden: Optional[torch.Tensor] = None,
+        teacher_topk_ids: Optional[torch.Tensor] = None,
+        teacher_topk_logprobs: Optional[torch.Tensor] = None,
+        teacher_draft_logprob: Optional[torch.Tensor] = None,
+        finished: bool = False,
+        drafter_step: int = 0,
+        extra: Optional[dict] = None,
+        *,
+        teacher: Optional[Teacher] = None,
+    ) -> None:
+        loose = Teacher.of(teacher_hidden, teacher_topk_ids, teacher_topk_logprobs, teacher_draft_logprob)
+        if teacher is not None and loose is not None:
+            raise ValueError(f"{sample_id}: give teacher= or the teacher_* tensors, not both")
+        self.sample_id = sample_id
+        self.input_ids = input_ids
+        self.prompt_len = prompt_len
+        self.anchors = anchors
+        self.drafts = drafts
+        self.accepted = accepted
+        self.features = features
+        self.teacher = teacher if teacher is not None else loose
+        self.finished = finished
+        self.drafter_step = drafter_step
+        self.extra = {} if extra is None else extra
+
+    @property
+    def teacher_hidden(self) -> Optional[torch.Tensor]:
+        return None if self.teacher is None else self.teacher.hidden
+
+    @property
+    def teacher_topk_ids(self) -> Optional[torch.Tensor]:
+        return None if self.teacher is None else self.teacher.topk_ids
+
+    @property
+    def teacher_topk_logprobs(self) -> Optional[torch.Tensor]:
+        return None if self.teacher is None else self.teacher.topk_logprobs
+
+    @property
+    def teacher_draft_logprob(self) -> Optional[torch.Tensor]:
+        return None if self.teacher is None else self.teacher.draft_logprob
 
     @property
     def num_blocks(self) -> int:
@@ -83,14 +196,8 @@ class RolloutRecord:
         """Generated tokens, the prefill token included (SGLang's convention)."""
         return int(self.input_ids.numel()) - int(self.prompt_len)
 
-    def teacher_form(self) -> Optional[str]:
-        if self.teacher_hidden is not None:
-            return "full"
-        if self.teacher_topk_ids is not None:
-            return "topk"
-        if self.teacher_draft_logprob is not None:
-            return "token"
-        return None
+    def teacher_form(self) -> Optional[TeacherForm]:
+        return None if self.teacher is None else self.teacher.form
 
     def validate(self) -> None:
         """Check shapes and the anchor recurrence; raise ValueError naming the field."""
@@ -106,9 +213,8 @@ class RolloutRecord:
             raise ValueError(f"{self.sample_id}: anchors outside 0..T-1={T - 1}")
         if self.features is not None and self.features.shape[0] != T - 1:
             raise ValueError(f"{self.sample_id}: features rows {self.features.shape[0]} != T-1={T - 1}")
-        for name in ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob"):
-            t = getattr(self, name)
-            if t is not None and tuple(t.shape[:2]) != (M, self.block_size - 1):
+        for name, t in (self.teacher.tensors() if self.teacher is not None else {}).items():
+            if tuple(t.shape[:2]) != (M, self.block_size - 1):
                 raise ValueError(f"{self.sample_id}: {name} shape {tuple(t.shape)} != [M={M}, bs-1={self.block_size - 1}, ...]")
 
 

@@ -494,10 +494,8 @@ def _records_of(tensors: dict, meta: dict, sample_ids: list[str]) -> Iterator[Ro
             features=tensors["features"][fo[i]: fo[i + 1]] if fo is not None else None,
             finished=bool(tensors["finished"][i]),
             drafter_step=int(tensors["drafter_step"][i]),
+            **{name: tensors[name][b0:b1] for name in _TEACHER if name in tensors},
         )
-        for name in _TEACHER:
-            if name in tensors:
-                setattr(rec, name, tensors[name][b0:b1])
         if meta.get("anchors") == "random":
             rec.extra["anchors"] = "random"
         yield rec

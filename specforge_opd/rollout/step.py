@@ -44,9 +44,8 @@ import torch
 
 from specforge_opd.models.grouped_attention import grouped_attention
 from specforge_opd.rollout.decode import HFCache, TargetRunner, left_pad, prefill, step_mask
-from specforge_opd.rollout.records import RolloutRecord
-
-TEACHER_FORMS = ("full", "topk", "token")
+from specforge_opd.rollout.records import TEACHER_TENSORS, RolloutRecord, Teacher
+from specforge_opd.teacher_form import TEACHER_FORMS
 
 
 # ---------------------------------------------------------------------------
@@ -389,11 +388,7 @@ def teacher_signal(v: Verified, drafts: torch.Tensor, form: str, topk: int) -> d
 
 def teacher_names(form: str) -> tuple:
     """The record fields a teacher form fills."""
-    return {
-        "full": ("teacher_hidden",),
-        "topk": ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob"),
-        "token": ("teacher_draft_logprob",),
-    }[form]
+    return TEACHER_TENSORS[form]
 
 
 def _empty_teacher(name: str, caps: TargetCaps, cfg: StepConfig) -> torch.Tensor:
@@ -415,6 +410,8 @@ def _record(r: _Row, cfg: StepConfig, caps: TargetCaps, drafter_step: int) -> Ro
     M = len(r.anchors)
     T = len(r.tokens)
     feats = torch.cat(r.features, dim=0)[: T - 1].cpu() if r.features else None
+    names = teacher_names(cfg.teacher) if cfg.teacher in caps.teacher_forms else ()
+    teacher = {name: torch.stack([t[name] for t in r.teacher]).cpu() if M else _empty_teacher(name, caps, cfg) for name in names}
     rec = RolloutRecord(
         sample_id=r.sample_id,
         input_ids=torch.tensor(r.tokens, dtype=torch.long),
@@ -423,15 +420,10 @@ def _record(r: _Row, cfg: StepConfig, caps: TargetCaps, drafter_step: int) -> Ro
         drafts=torch.stack(r.drafts).cpu() if M else torch.zeros(0, bs - 1, dtype=torch.long),
         accepted=torch.tensor(r.accepted, dtype=torch.long),
         features=feats,
+        teacher=Teacher.of(**teacher),
         finished=r.finished,
         drafter_step=int(drafter_step),
     )
-    names = teacher_names(cfg.teacher) if cfg.teacher in caps.teacher_forms else ()
-    for name in names:
-        if M:
-            setattr(rec, name, torch.stack([t[name] for t in r.teacher]).cpu())
-        else:
-            setattr(rec, name, _empty_teacher(name, caps, cfg))
     if cfg.record_draft_logits:
         rec.extra["draft_logits"] = torch.stack(r.draft_logits).cpu() if M and r.draft_logits else None
     rec.validate()

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 
 from specforge_opd.config import SGLangConfig
-from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.records import RolloutRecord, Teacher
 from specforge_opd.sglang.contract import (
     NATIVE_STEP_FIELDS,
     ContractError,
@@ -369,7 +369,8 @@ def record_from_native(
                 "server no other client uses, or set rollout.teacher=full with training.feature_source=target",
                 server_version,
             )
-        rec.teacher_draft_logprob = torch.tensor([s.draft_logprob for s in kept], dtype=torch.float32).reshape(M, block_size - 1)
+        logp = torch.tensor([s.draft_logprob for s in kept], dtype=torch.float32).reshape(M, block_size - 1)
+        rec.teacher = Teacher("token", draft_logprob=logp)
     rec.validate()
     return rec
 

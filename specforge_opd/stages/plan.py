@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from specforge_opd.config import ExperimentConfig
+from specforge_opd.config import ExperimentConfig, bonus_teacher_missing
 from specforge_opd.errors import UserError
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -113,7 +113,7 @@ def make_plan(cfg: ExperimentConfig, pool_size: int, hidden_size: int, num_layer
             and the alternatives).
     """
     o = cfg.opd
-    if cfg.training.accepted_stream == "verified" and cfg.rollout.teacher == "token":
+    if bonus_teacher_missing(cfg.training.accepted_stream, cfg.rollout.teacher):
         raise PlanError(
             "training.accepted_stream=verified trains the bonus slot against the target's distribution, which "
             "rollout.teacher=token does not record; use rollout.teacher=full or topk, or accepted_stream=eq1"

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask
-from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.records import RolloutRecord, Teacher
+from specforge_opd.teacher_form import TEACHER_FORMS
 from specforge_opd.train.losses import SlotPlan
 
 
@@ -188,21 +189,21 @@ def slot_teacher(record: RolloutRecord, plan: SlotPlan, device=None) -> dict:
         ReplayError: the record carries no teacher signal.
     """
     m, j = plan.block, plan.slot - 1
-    form = record.teacher_form()
-    if form is None:
+    t = record.teacher
+    if t is None:
         raise ReplayError(
             f"record {record.sample_id} has no teacher signal; set training.feature_source=target "
             "to recompute it with the frozen target"
         )
     out: dict = {}
-    if form == "full":
-        out["teacher_hidden"] = record.teacher_hidden[m, j]
+    if t.form == "full":
+        out["teacher_hidden"] = t.hidden[m, j]
     else:
         out["draft_ids"] = record.drafts[m, j]
-        out["draft_logprob"] = record.teacher_draft_logprob[m, j]
-        if form == "topk":
-            out["topk_ids"] = record.teacher_topk_ids[m, j]
-            out["topk_logprobs"] = record.teacher_topk_logprobs[m, j]
+        out["draft_logprob"] = t.draft_logprob[m, j]
+        if t.form == "topk":
+            out["topk_ids"] = t.topk_ids[m, j]
+            out["topk_logprobs"] = t.topk_logprobs[m, j]
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -299,7 +300,7 @@ def recompute_from_target(
         ReplayError: unknown ``form``, non-positive group/chunk sizes, or a target
             without a decoder body.
     """
-    if form not in ("full", "topk", "token"):
+    if form not in TEACHER_FORMS:
         raise ReplayError(f"rollout.teacher={form!r}: expected full, topk or token")
     if max_blocks_per_forward < 1 or chunk_rows < 1:
         raise ReplayError(
@@ -352,16 +353,13 @@ def recompute_from_target(
         for h in handles:
             h.remove()
 
-    new = dataclasses.replace(
-        record, features=feats, teacher_hidden=None, teacher_topk_ids=None, teacher_topk_logprobs=None, teacher_draft_logprob=None
-    )
     hidden = torch.empty(M, n, H, dtype=dtype, device=device) if form == "full" else None
-    if form != "full":
-        new.teacher_draft_logprob = torch.empty(M, n, dtype=torch.float32, device=device)
-        if form == "topk":
-            k_top = min(topk, target.get_output_embeddings().weight.shape[0])
-            new.teacher_topk_ids = torch.empty(M, n, k_top, dtype=torch.long, device=device)
-            new.teacher_topk_logprobs = torch.empty(M, n, k_top, dtype=torch.float32, device=device)
+    draft_logprob = torch.empty(M, n, dtype=torch.float32, device=device) if form != "full" else None
+    topk_ids = topk_logprobs = None
+    if form == "topk":
+        k_top = min(topk, target.get_output_embeddings().weight.shape[0])
+        topk_ids = torch.empty(M, n, k_top, dtype=torch.long, device=device)
+        topk_logprobs = torch.empty(M, n, k_top, dtype=torch.float32, device=device)
     head = target.get_output_embeddings()
     softcap = getattr(target.config, "final_logit_softcapping", None)
     offsets = torch.arange(n, device=device)
@@ -392,15 +390,14 @@ def recompute_from_target(
             logp = F.log_softmax(logits.float(), dim=-1)
             del logits
             flat = slice(g0 * n + r0, g0 * n + r1)
-            new.teacher_draft_logprob.view(-1)[flat] = logp.gather(-1, d[r0:r1].view(-1, 1)).squeeze(-1)
+            draft_logprob.view(-1)[flat] = logp.gather(-1, d[r0:r1].view(-1, 1)).squeeze(-1)
             if form == "topk":
-                vals, idx = logp.topk(new.teacher_topk_ids.shape[-1], dim=-1)
-                new.teacher_topk_ids.view(-1, vals.shape[-1])[flat] = idx
-                new.teacher_topk_logprobs.view(-1, vals.shape[-1])[flat] = vals
+                vals, idx = logp.topk(topk_ids.shape[-1], dim=-1)
+                topk_ids.view(-1, vals.shape[-1])[flat] = idx
+                topk_logprobs.view(-1, vals.shape[-1])[flat] = vals
             del logp
-    if form == "full":
-        new.teacher_hidden = hidden
-    return new
+    teacher = Teacher(form, hidden=hidden, topk_ids=topk_ids, topk_logprobs=topk_logprobs, draft_logprob=draft_logprob)
+    return dataclasses.replace(record, features=feats, teacher=teacher)
 
 
 def recompute_largest_tensor_bytes(

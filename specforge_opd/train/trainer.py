@@ -49,7 +49,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from specforge_opd.config import ExperimentConfig
+from specforge_opd.config import ExperimentConfig, bonus_teacher_missing
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import optimizer_and_scheduler
 from specforge_opd.models.drafter import (
@@ -493,7 +493,7 @@ def distill(
             records = load_records(shard_dirs, expect={"block_size": bs, "target_layer_ids": layer_ids, "mask_token_id": mask_id,
                                                        "target_dtype": cfg.target.dtype})
         records = [r for r in records if r.num_blocks > 0]
-        if tc.accepted_stream == "verified" and any(r.teacher_form() == "token" for r in records):
+        if any(bonus_teacher_missing(tc.accepted_stream, r.teacher_form()) for r in records):
             raise DistillError("training.accepted_stream=verified needs the full or topk teacher (the shards hold the "
                              "token teacher, which has no bonus-token distribution); roll out with rollout.teacher=full")
         if not records:
