@@ -167,7 +167,7 @@ def test_attributes_reached_through_a_module_exist():
 #: A ratchet toward the layers the README's design section describes: each refactoring step lowers these
 #: numbers (never raises them), and the goals are at most 10% function-level imports, no cycle, no module over
 #: 600 lines and no function over 120.
-FUNCTION_LEVEL_CAP = 164
+FUNCTION_LEVEL_CAP = 162
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES = [
     {"cli", "config", "data.prompts", "eval.evaluate", "eval.validation", "models.drafter",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from specforge_opd.atomic import atomic_write_text
+from specforge_opd.eval.plots import pyplot
 
 CURVE_FILE = "curve.jsonl"
 
@@ -123,8 +124,7 @@ def plot_curve(points: Sequence[dict], path: Path, selected_step: Optional[int] 
     ``references``: other curves drawn on the same axes, by label (OPD's plot shows the
     SFT curve of the drafter it started from, so both read against the same compute).
     """
-    from specforge_opd.eval.plots import plt
-
+    plt = pyplot()
     path = Path(path)
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
     for i, (name, ref) in enumerate((references or {}).items()):
