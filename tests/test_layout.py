@@ -167,10 +167,13 @@ def test_attributes_reached_through_a_module_exist():
 #: A ratchet toward the layers the README's design section describes: each refactoring step lowers these
 #: numbers (never raises them), and the goals are at most 10% function-level imports, no cycle, no module over
 #: 600 lines and no function over 120.
-FUNCTION_LEVEL_CAP = 162
+FUNCTION_LEVEL_CAP = 149
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
+#: eval.replay (the offline replay, split out of eval.evaluate) is in the first one because eval.evaluate is:
+#: it imports models.drafter and rollout.engine, and the function-level edges models.published -> eval.evaluate
+#: and eval.evaluate -> cli lead back to it.
 KNOWN_CYCLES = [
-    {"cli", "config", "data.prompts", "eval.evaluate", "eval.validation", "models.drafter",
+    {"cli", "config", "data.prompts", "eval.evaluate", "eval.replay", "eval.validation", "models.drafter",
      "models.published", "rollout.engine", "rollout.responses", "run_fingerprint",
      "sglang.launcher", "sglang.native", "sglang.rollout_backend", "sglang.sizing", "sglang.verify_client",
      "stages.opd", "stages.opd_validation", "stages.plan", "stages.preflight", "stages.sft_features", "stepkeys",
@@ -180,7 +183,7 @@ KNOWN_CYCLES = [
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 #: module -> its line count today: it may shrink, not grow
-OVERSIZE_MODULES = {"eval.evaluate": 894, "models.drafter": 640, "rollout.step": 1012, "stages.opd": 637,
+OVERSIZE_MODULES = {"models.drafter": 640, "rollout.step": 1012, "stages.opd": 637,
                     "train.trainer": 709}
 #: (module, function) -> its line count today (docstring and nested definitions included)
 LONG_FUNCTIONS = {("stages.opd", "run_opd"): 274, ("train.trainer", "distill"): 253,

@@ -49,7 +49,7 @@ def propose(tokens: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
 
 def ngram_offline_tau(trajectories, block_size: int, sample_ids: Optional[list[str]] = None,
                       max_ngram: int = 3) -> list[RolloutRecord]:
-    """Replay prompt-lookup drafting at T=0 against cached greedy trajectories (``evaluate.TrajectoryCache``).
+    """Replay prompt-lookup drafting at T=0 against cached greedy trajectories (``replay.TrajectoryCache``).
 
     Args:
         trajectories: objects with ``input_ids`` (int64 [E]), ``prompt_len`` and ``finished``.
