@@ -1,4 +1,4 @@
-"""Exact offline replay (``eval.evaluate.offline_tau``) against an earlier revision's, in one run.
+"""Exact offline replay (``eval.replay.offline_tau``) against an earlier revision's, in one run.
 
 The evaluation of every drafter on every prompt of the three sets, the OPD validation
 after every refresh and the SFT validation curve all replay drafters over cached target
@@ -6,7 +6,8 @@ trajectories, so the replay's speed sets what a study costs. This benchmark buil
 target trajectories of the first ``--prompts`` prompts of each evaluation set (cached in
 ``--cache``, paid once), then replays the published drafter over all of them with the
 current ``offline_tau`` and with the one of ``--before`` (a git revision; its
-``eval/evaluate.py`` is loaded beside the current package), alternating, ``--reps`` times
+``eval/replay.py``, or ``eval/evaluate.py`` before the replay had a module of its own, is loaded
+beside the current package), alternating, ``--reps`` times
 each. It reports replayed tokens per second of both, their ratio, and whether the records
 (anchors, accepted counts, drafts) are identical.
 
@@ -32,9 +33,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module_at(rev: str, rel: str, name: str):
-    """The module ``rel`` as it was at git revision ``rev``, imported as ``name`` (beside the current package)."""
-    src = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+def _module_at(rev: str, rels: list[str], name: str):
+    """The first module of ``rels`` that exists at git revision ``rev``, as it was there, imported as ``name``
+    (beside the current package)."""
+    for rel in rels:
+        shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"none of {rels} exists at revision {rev}")
+    src = shown.stdout
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / Path(rel).name
         path.write_text(src)
@@ -56,18 +64,19 @@ def main() -> int:
     args = p.parse_args()
 
     from specforge_opd.config import load_config
-    from specforge_opd.eval import evaluate as now
+    from specforge_opd.eval import evaluate, replay as now
     from specforge_opd.models.drafter import drafter_layer_ids, drafter_path, load_any_drafter
     from specforge_opd.models.target import load_target
     from specforge_opd.precision import machine_info
 
-    before = _module_at(args.before, "specforge_opd/eval/evaluate.py", "specforge_opd.eval._evaluate_before")
+    before = _module_at(args.before, ["specforge_opd/eval/replay.py", "specforge_opd/eval/evaluate.py"],
+                        "specforge_opd.eval._replay_before")
     cfg = load_config(ROOT / args.config, [f"eval.num_prompts={args.prompts}"])
     bundle = load_target(cfg.target)
     drafter = load_any_drafter(str(drafter_path(cfg.draft.path)), bundle.model.config).eval()
     cache = now.TrajectoryCache(ROOT / args.cache, bundle.model, bundle.identity, max_new_tokens=cfg.eval.max_new_tokens,
                                 stop_token_ids=list(bundle.stop_token_ids), batch_size=16)
-    trajs = [t for toks, _ in now.load_eval_prompts(cfg, bundle.tokenizer).values()
+    trajs = [t for toks, _ in evaluate.load_eval_prompts(cfg, bundle.tokenizer).values()
              for t in cache.get(toks, drafter_layer_ids(drafter))]
     if drafter.config._attn_implementation != "sdpa":
         raise SystemExit(f"the drafter attends with {drafter.config._attn_implementation}, not sdpa: the replay would not "
@@ -88,7 +97,7 @@ def main() -> int:
     out = {"machine": machine_info(), "command": sys.argv, "alone": "run with nothing else heavy on the machine",
            "drafter": cfg.draft.path, "trajectories": len(trajs), "replayed_tokens": tokens, "before": args.before,
            "seconds": secs, "tok_s": {k: tokens / v for k, v in best.items()},
-           "speedup": best["before"] / best["now"], "records_equal": same, "tau": now.tau_of(recs["now"])}
+           "speedup": best["before"] / best["now"], "records_equal": same, "tau": evaluate.tau_of(recs["now"])}
     print(json.dumps({k: out[k] for k in ("trajectories", "replayed_tokens", "tok_s", "speedup", "records_equal", "tau")}))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specforge_opd.eval import evaluate
+from specforge_opd.eval import replay
 from specforge_opd.models import grouped_attention as ga
 
 
@@ -38,10 +38,10 @@ def test_replay_attends_grouped_and_restores_the_config(tiny_target, tiny_drafte
     """offline_tau routes the drafter's attention through the grouped form while it runs, gives the same
     records in groups of any size, and leaves the drafter's config as it found it."""
     assert tiny_drafter.config._attn_implementation == "sdpa"
-    cache = evaluate.TrajectoryCache(None, tiny_target, "tiny", max_new_tokens=12, stop_token_ids=[1])
+    cache = replay.TrajectoryCache(None, tiny_target, "tiny", max_new_tokens=12, stop_token_ids=[1])
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 90, (int(n),), generator=g).tolist() for n in (4, 9, 6, 11, 5)]
-    trajs = cache.get(prompts, evaluate.drafter_layer_ids(tiny_drafter))
+    trajs = cache.get(prompts, replay.drafter_layer_ids(tiny_drafter))
     calls = []
     real = ga.grouped_sdpa_attention
 
@@ -50,10 +50,10 @@ def test_replay_attends_grouped_and_restores_the_config(tiny_target, tiny_drafte
         return real(*a, **kw)
 
     monkeypatch.setitem(__import__("transformers").AttentionInterface._global_mapping, ga.GROUPED_SDPA, counting)
-    whole = evaluate.offline_tau(tiny_drafter, tiny_target, trajs)
+    whole = replay.offline_tau(tiny_drafter, tiny_target, trajs)
     assert calls and tiny_drafter.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(evaluate, "REPLAY_GROUP", 2)
-    pairs = evaluate.offline_tau(tiny_drafter, tiny_target, trajs)
+    monkeypatch.setattr(replay, "REPLAY_GROUP", 2)
+    pairs = replay.offline_tau(tiny_drafter, tiny_target, trajs)
     for a, b in zip(whole, pairs):
         assert a.anchors.tolist() == b.anchors.tolist() and a.accepted.tolist() == b.accepted.tolist()
         assert torch.equal(a.drafts, b.drafts)

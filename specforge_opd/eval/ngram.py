@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from specforge_opd.rollout.records import RolloutRecord
+from specforge_opd.rollout.step import Draft
 
 #: Name of the prompt-lookup row in evaluation tables.
 NGRAM_NAME = "prompt lookup (ngram)"
@@ -48,7 +49,7 @@ def propose(tokens: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
 
 def ngram_offline_tau(trajectories, block_size: int, sample_ids: Optional[list[str]] = None,
                       max_ngram: int = 3) -> list[RolloutRecord]:
-    """Replay prompt-lookup drafting at T=0 against cached greedy trajectories (``evaluate.TrajectoryCache``).
+    """Replay prompt-lookup drafting at T=0 against cached greedy trajectories (``replay.TrajectoryCache``).
 
     Args:
         trajectories: objects with ``input_ids`` (int64 [E]), ``prompt_len`` and ``finished``.
@@ -112,8 +113,6 @@ class NgramDrafter:
 
     async def propose(self, req):
         """``req``: a ``speculative.DraftRequest``; returns a ``speculative.Draft`` (tokens int64 [B, bs-1] on the CPU, lengths int64 [B])."""
-        from specforge_opd.rollout.step import Draft
-
         k = self.block_size - 1
         props = [propose(toks, k, self.max_ngram) for toks in req.tokens]
         tokens = torch.tensor([p + [self.pad_token_id] * (k - len(p)) for p in props], dtype=torch.long).reshape(len(props), k)

@@ -1,18 +1,29 @@
 """PNG plots of an evaluation result (``specforge_opd.eval.evaluate``): matplotlib, Agg backend.
 
-Both functions take the dict written to ``eval.json``
+The two plots take the dict written to ``eval.json``
 (``result["drafters"][name]["datasets"][dataset]`` with ``tau``, optional
 ``tau_std``, and ``histogram``: verify steps by accepted length r+1, index 0 unused).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")  # no display on training machines; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
+@functools.cache
+def pyplot():
+    """``matplotlib.pyplot``, the backend set to Agg on the first call.
+
+    matplotlib is imported on the first plot, not with this module, so that importing
+    the evaluation modules stays cheap.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _datasets(result: dict) -> list[str]:
@@ -33,6 +44,7 @@ def plot_tau_per_dataset(result: dict, path: Path) -> Path:
     datasets = _datasets(result)
     if not datasets:
         raise ValueError("plot_tau_per_dataset: the result holds no dataset")
+    plt = pyplot()
     drafters = list(result["drafters"])
     n = len(drafters)
     width = 0.8 / n
@@ -62,6 +74,7 @@ def plot_accept_histograms(result: dict, path: Path) -> Path:
     datasets = _datasets(result)
     if not datasets:
         raise ValueError("plot_accept_histograms: the result holds no dataset")
+    plt = pyplot()
     drafters = list(result["drafters"])
     n = len(drafters)
     width = 0.8 / n

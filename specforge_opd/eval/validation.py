@@ -5,7 +5,7 @@ while the loss still falls), and the curve of tau against training compute is
 where SFT plateaus (the paper's Figure 1). So the SFT stage trains in segments of
 ``sft.val_interval`` optimizer steps; after each one the checkpoint is exported
 (before SpecForge prunes it) and its tau measured by exact offline replay
-(``evaluate.offline_tau``) on ``sft.val_prompts`` prompts of the training pool that
+(``replay.offline_tau``) on ``sft.val_prompts`` prompts of the training pool that
 SFT does not train on. They are never the evaluation sets: the pool already drops
 prompts that overlap those. The points go to ``curve.jsonl`` and TensorBoard, and
 ``sft_curve.png`` plots tau against cumulative drafter FLOPs; the export is the
@@ -18,7 +18,13 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
 from specforge_opd.atomic import atomic_write_text
+from specforge_opd.eval.plots import pyplot
+from specforge_opd.eval.replay import TrajectoryCache, offline_tau
+from specforge_opd.models.drafter import drafter_layer_ids
+from specforge_opd.rollout.records import tau_of
 
 CURVE_FILE = "curve.jsonl"
 
@@ -95,8 +101,6 @@ class ValidationSet:
 
     def __init__(self, target_model, target_identity: str, prompts: list[list[int]], *, max_new_tokens: int,
                  stop_token_ids: Sequence[int], cache_dir: Optional[Path]):
-        from specforge_opd.eval.evaluate import TrajectoryCache
-
         self.model = target_model
         self.prompts = prompts
         self.cache = TrajectoryCache(cache_dir, target_model, target_identity, max_new_tokens=max_new_tokens,
@@ -104,12 +108,6 @@ class ValidationSet:
 
     def tau(self, drafter) -> float:
         """Pooled tau (``records.tau_of``) of ``drafter`` on the validation trajectories, exact at T=0."""
-        import torch
-
-        from specforge_opd.eval.evaluate import offline_tau
-        from specforge_opd.models.drafter import drafter_layer_ids
-        from specforge_opd.rollout.records import tau_of
-
         trajs = self.cache.get(self.prompts, drafter_layer_ids(drafter), desc="validation trajectories")
         with torch.no_grad():
             return tau_of(offline_tau(drafter.eval(), self.model, trajs, desc="validation replay"))
@@ -123,8 +121,7 @@ def plot_curve(points: Sequence[dict], path: Path, selected_step: Optional[int] 
     ``references``: other curves drawn on the same axes, by label (OPD's plot shows the
     SFT curve of the drafter it started from, so both read against the same compute).
     """
-    from specforge_opd.eval.plots import plt
-
+    plt = pyplot()
     path = Path(path)
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
     for i, (name, ref) in enumerate((references or {}).items()):

@@ -11,7 +11,7 @@ the same dot products and the same softmax; only float rounding may differ from 
 repeated form).
 
 Used where the DFlash drafter's short query blocks attend over long contexts: the offline
-replay (``eval.evaluate.offline_tau``) and the in-process rollout's drafter
+replay (``eval.replay.offline_tau``) and the in-process rollout's drafter
 (``rollout.step.CachedDFlashDrafter``). The target's own decode step does the same
 grouping in ``rollout.decode._attend``.
 """
