@@ -189,14 +189,13 @@ def test_attributes_reached_through_a_module_exist():
 #: A ratchet toward the layers the README's design section describes: each refactoring step lowers these
 #: numbers (never raises them), and the goals are at most 10% function-level imports, no cycle, no module over
 #: 600 lines and no function over 120.
-FUNCTION_LEVEL_CAP = 145
+FUNCTION_LEVEL_CAP = 142
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES = [
-    {"cli", "config", "data.assets", "data.prompts", "eval.evaluate", "eval.validation", "models.drafter",
-     "models.published", "models.target", "precision", "rollout.engine", "rollout.responses", "run_fingerprint",
-     "sglang.launcher", "sglang.native", "sglang.rollout_backend", "sglang.sizing", "sglang.verify_client",
-     "stages.opd", "stages.opd_validation", "stages.plan", "stages.preflight", "stages.sft_features", "stepkeys",
-     "train.checkpoint", "train.trainer"},
+    {"cli", "config", "data.assets", "data.prompts", "eval.evaluate", "models.drafter", "models.published",
+     "models.target", "precision", "rollout.engine", "rollout.responses", "run_fingerprint", "sglang.launcher",
+     "sglang.native", "sglang.rollout_backend", "sglang.sizing", "sglang.verify_client", "stages.plan",
+     "stages.preflight", "stages.sft_features", "stepkeys"},
     {"sglang.standin", "sglang.standin_model"},
 ]
 MAX_MODULE_LINES = 600
