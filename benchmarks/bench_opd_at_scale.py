@@ -125,7 +125,7 @@ def refreshes(args, pool: int, seed: int) -> int:
 def recorded_budget(table: dict, name: str, pool: int, seed: int, points: int) -> tuple[float, int]:
     """(drafter-training FLOPs, validation points) of the OPD run ``name`` at (pool, seed) as recorded in a
     result table: its last refresh's cumulative FLOPs (the best-validation row's where the best is the last)
-    less the start's, which is what ``stages.compare.opd_drafter_flops`` reads from a run on disk.
+    less the start's, which is what ``stages.baselines.opd_drafter_flops`` reads from a run on disk.
 
     Raises:
         SystemExit: the table has no such row, or no FLOPs for it or for the start.

@@ -188,8 +188,7 @@ def test_recompute_memory_estimate_matches_a_measured_recompute(case):
 def test_rank_memory_shrinks_the_sharded_drafter_state_only():
     from pathlib import Path
 
-    from specforge_opd.stages.opd import _target_config
-    from specforge_opd.stages.plan import estimate_rank_memory
+    from specforge_opd.stages.plan import _target_config, estimate_rank_memory
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b" / "opd.yaml")
     one, sixteen = estimate_rank_memory(cfg, _target_config(cfg), 1), estimate_rank_memory(cfg, _target_config(cfg), 16)

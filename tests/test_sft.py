@@ -12,6 +12,7 @@ import torch
 from specforge_opd import stepkeys
 from specforge_opd.data import prompts
 from specforge_opd.models.drafter import load_specforge_checkpoint
+from specforge_opd.models.target import cut_at_stop
 from specforge_opd.rollout import responses
 from specforge_opd.stages import sft, sft_features, sft_train
 
@@ -216,7 +217,7 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
     # and the same responses an uninterrupted run generates (greedy, per-prompt seeding)
     again = responses.generate_responses(bundle, [r.prompt_ids for r in recs[4:8]], cfg, seed=cfg.data.seed,
                                    sample_ids=["p4", "p5", "p6", "p7"])
-    assert [responses._cut_at_stop(o, {STOP}, 8)[0] for o in again] == [r.response_ids for r in recs[4:8]]
+    assert [cut_at_stop(o, {STOP}, 8)[0] for o in again] == [r.response_ids for r in recs[4:8]]
 
 
 def _rec(i, prompt_len, resp_len):

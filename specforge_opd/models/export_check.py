@@ -7,7 +7,7 @@ shows as a divergence from plain greedy decoding at a position that is not a tie
 
 from __future__ import annotations
 
-from specforge_opd.rollout.responses import _cut_at_stop
+from specforge_opd.models.target import cut_at_stop
 from specforge_opd.stepkeys import SFTError
 
 
@@ -29,7 +29,7 @@ def _greedy(model, prompt: list[int], max_new: int, stop: list[int]) -> list[int
     with torch.inference_mode():
         out = model.generate(input_ids=torch.tensor([prompt], device=dev), do_sample=False, max_new_tokens=max_new,
                              eos_token_id=stop, pad_token_id=stop[0])
-    return _cut_at_stop(out[0, len(prompt):].tolist(), set(stop), max_new)[0]
+    return cut_at_stop(out[0, len(prompt):].tolist(), set(stop), max_new)[0]
 
 
 def _top2_gap(model, prefix: list[int]) -> float:

@@ -130,6 +130,18 @@ def stop_token_ids(tokenizer, config, extra: list[int], generation_config=None) 
     return sorted(ids)
 
 
+def cut_at_stop(ids: list[int], stop_ids: set[int], max_new: int) -> tuple[list[int], bool]:
+    """``(ids[:max_new] up to and including the first stop id, whether a stop id was found)``.
+
+    ``ids``: the target's new token ids (any iterable of ints); the returned list is a new one.
+    """
+    ids = list(ids)[:max_new]
+    for j, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[: j + 1], True
+    return ids, False
+
+
 def looks_like_hub_id(path: str) -> bool:
     """``org/name`` (one slash, no leading ``/``, ``.`` or ``~``) that is not a local path."""
     p = str(path)

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from specforge_opd.atomic import atomic_write_bytes
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.models.target import cut_at_stop
 from specforge_opd.progress import progress_bar
 from specforge_opd.stepkeys import MARKER, SFTError
 
@@ -37,15 +38,6 @@ class ResponseRecord:
     prompt_ids: list[int]
     response_ids: list[int]
     finished: bool
-
-
-def _cut_at_stop(ids: list[int], stop_ids: set[int], max_new: int) -> tuple[list[int], bool]:
-    """``(ids[:max_new] up to and including the first stop id, whether a stop id was found)``."""
-    ids = list(ids)[:max_new]
-    for j, t in enumerate(ids):
-        if t in stop_ids:
-            return ids[: j + 1], True
-    return ids, False
 
 
 def hf_generate(model, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
@@ -246,7 +238,7 @@ def run_responses(d: Path, tokenized: list[tuple[str, list[int]]], bundle, cfg: 
                                   sample_ids=[pid for pid, _ in part], batch_size=cfg.sft.batch_size)
         lines = []
         for (pid, p), o in zip(part, outs):
-            resp, finished = _cut_at_stop(o, stop, cfg.sft.max_new_tokens)
+            resp, finished = cut_at_stop(o, stop, cfg.sft.max_new_tokens)
             lines.append(json.dumps(ResponseRecord(pid, p, resp, finished).__dict__))
         bar.update(len(part))
         atomic_write_bytes(f, ("\n".join(lines) + "\n").encode())

@@ -15,7 +15,7 @@ Two data sources (``source``):
   hash slices that neither the SFT config nor the OPD config trains on (``fresh_slices``).
 
 Budget and selection: the run trains for the OPD run's drafter-training FLOPs
-(``compare.matched_steps``: rollouts and capture excluded on both sides) and takes a
+(``matched_steps``: rollouts and capture excluded on both sides) and takes a
 validation point at as many evenly spaced steps as OPD has refreshes, on the OPD run's
 validation prompts (``opd.val_prompts`` held-out prompts of the OPD pool; none of the
 runs trains on them, and no pool holds an evaluation prompt). Reported: the drafter at
@@ -30,7 +30,15 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from specforge_opd import precision as precision_mod
+from specforge_opd.config import TrainingConfig, load_config
+from specforge_opd.data.prompts import held_out_prompts, training_pool
 from specforge_opd.errors import UserError
+from specforge_opd.eval.flops import FlopsLedger, sft_flops
+from specforge_opd.models.drafter import drafter_shape, load_drafter, read_drafter_metadata, shape_overrides
+from specforge_opd.models.target import target_dir
+from specforge_opd.stages import sft
+from specforge_opd.stages.sft_train import RECIPE_TRAINING_FIELDS
 
 #: Validation prompts when the OPD config validates nothing (``opd.val_prompts`` 0).
 DEFAULT_VAL_PROMPTS = 64
@@ -58,10 +66,6 @@ def start_recipe(start: Path) -> dict:
     """
     import yaml
 
-    from specforge_opd.config import TrainingConfig
-    from specforge_opd.models.drafter import read_drafter_metadata
-    from specforge_opd.stages.sft_train import RECIPE_TRAINING_FIELDS
-
     start = Path(start)
     meta = read_drafter_metadata(start) if start.is_dir() else {}
     if meta.get("recipe"):
@@ -86,12 +90,10 @@ def recipe_overrides(recipe: dict, device: str) -> tuple[list[str], Optional[str
     fp32 here: emulated bf16 runs about 25x slower there; the note says so, and an
     explicit ``training.mixed_precision=bf16`` override after these forces bf16.
     """
-    from specforge_opd.precision import cpu_bf16_native, uses_cuda
-
     ov = [f"training.{k}={json.dumps(v)}" for k, v in recipe["training"].items()]
     precision, note = recipe["mixed_precision"], None
-    if precision == "bf16" and not uses_cuda(device):
-        native, why = cpu_bf16_native()
+    if precision == "bf16" and not precision_mod.uses_cuda(device):
+        native, why = precision_mod.cpu_bf16_native()
         if not native:
             precision = "fp32"
             note = (f"the start trained in bf16, but this CPU has no native bf16 ({why}): the baseline trains in fp32 "
@@ -118,6 +120,46 @@ def fresh_slices(sft_cfg, opd_cfg) -> list[int]:
     return free
 
 
+def opd_drafter_flops(opd_final: Path) -> float:
+    """The OPD run's drafter-training FLOPs: ``drafter_budget`` of its export's ``opd_run_flops``
+    (the whole run, whichever refresh validation selected), else of ``opd_flops``.
+
+    Raises:
+        ValueError: the OPD export has no FLOPs metadata.
+    """
+    meta = read_drafter_metadata(opd_final)
+    run = meta.get("opd_run_flops") or meta.get("opd_flops")
+    if run is None:
+        raise ValueError(f"{opd_final}: no opd_flops metadata (not an OPD export of this project)")
+    return FlopsLedger.from_dict(run).drafter_budget
+
+
+def matched_steps(sft_cfg, start: Path, responses: list, opd_flops: float) -> tuple[int, float]:
+    """(steps, FLOPs per SFT step): continued-SFT steps of ``sft_cfg`` on ``responses`` that spend
+    ``opd_flops`` drafter-training FLOPs, for the drafter at ``start`` (its shape sets the cost)."""
+    from transformers import AutoConfig
+
+    tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
+    dcfg = load_drafter(start, target_config=tcfg).config  # any drafter form OPD accepts
+    per_step = sft_flops(sft_cfg, dcfg, tcfg, responses, steps=1, captured_here=False).drafter_train
+    return max(1, math.ceil(opd_flops / per_step)), per_step
+
+
+def start_shape_overrides(sft_cfg, start: Path) -> list[str]:
+    """``draft.*`` overrides that give an SFT config the shape of the drafter at ``start`` (layers, block
+    size, target layers, MLP width): a baseline continues that drafter, whatever its SFT YAML says."""
+    from transformers import AutoConfig
+
+    tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
+    return shape_overrides(drafter_shape(load_drafter(start, target_config=tcfg)))
+
+
+def _target_of(cfg, start: Path) -> str:
+    """The target's HF directory: the one the starting drafter records, else the config's."""
+    t = read_drafter_metadata(start).get("target")
+    return t if t and Path(t).is_dir() else target_dir(cfg)
+
+
 def load_pair(sft_config: str, opd_config: str, overrides: Optional[list[str]] = None):
     """(SFT config, OPD config, start drafter path): both YAMLs with ``overrides``, and the OPD config's
     ``draft.path``, where every baseline starts.
@@ -125,8 +167,6 @@ def load_pair(sft_config: str, opd_config: str, overrides: Optional[list[str]] =
     Raises:
         BaselineError: the OPD config has no ``draft.path``.
     """
-    from specforge_opd.config import load_config
-
     sft_cfg = load_config(sft_config, overrides)
     opd_cfg = load_config(opd_config, overrides)
     if opd_cfg.draft.path is None:
@@ -137,8 +177,6 @@ def load_pair(sft_config: str, opd_config: str, overrides: Optional[list[str]] =
 def validation_prompts(opd_cfg, tokenizer) -> list:
     """The OPD run's validation prompts (``opd.val_prompts`` held-out prompts of its pool; 64 when it sets none),
     chosen as the OPD stage chooses them (``OPDValidation``: the pool filtered with the target's tokenizer)."""
-    from specforge_opd.data.prompts import held_out_prompts
-
     n = opd_cfg.opd.val_prompts or DEFAULT_VAL_PROMPTS
     return held_out_prompts(opd_cfg.data, n, field="opd.val_prompts", cache=opd_cfg.target.cache_dir, tokenizer=tokenizer)
 
@@ -147,15 +185,11 @@ def training_prompts(data_cfg, opd_cfg, tokenizer) -> list:
     """The prompts a baseline trains on, chosen as the OPD stage chooses its pool (``stages.opd._pool``:
     prompts longer than ``data.max_prompt_tokens`` dropped with the target's tokenizer before the seeded
     shuffle and the cap). The SFT stage alone builds its pool without a tokenizer, which keeps another set."""
-    from specforge_opd.data.prompts import training_pool
-
     return list(training_pool(data_cfg, cache=opd_cfg.target.cache_dir, tokenizer=tokenizer))
 
 
 def opd_refreshes(opd_final: Path) -> int:
     """How many refreshes the OPD run validated (its export's curve), else ``DEFAULT_VAL_POINTS``."""
-    from specforge_opd.models.drafter import read_drafter_metadata
-
     curve = (read_drafter_metadata(opd_final).get("validation") or {}).get("curve") or []
     return max(1, sum(1 for p in curve if p["step"] >= 1)) if curve else DEFAULT_VAL_POINTS
 
@@ -184,11 +218,6 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
         BaselineError: an unknown source or recipe, no ``draft.path``, no recipe recorded,
             or no fresh slice; ValueError: the OPD export has no FLOPs metadata.
     """
-    from specforge_opd.config import load_config
-    from specforge_opd.models.drafter import read_drafter_metadata
-    from specforge_opd.stages.compare import matched_steps, opd_drafter_flops, start_shape_overrides
-    from specforge_opd.stages.sft import run_sft
-
     if source not in SOURCES:
         raise BaselineError(f"source={source!r}: expected one of {SOURCES}")
     if recipe not in RECIPES:
@@ -204,8 +233,6 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
         points = val_points or opd_refreshes(opd_final)
     out = Path(out or Path(sft_cfg.resolve_path(sft_cfg.output.dir)).parent / f"sft_fair_{source}")
     from transformers import AutoTokenizer
-
-    from specforge_opd.models.target import target_dir
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir(opd_cfg))
     val = validation_prompts(opd_cfg, tokenizer)
@@ -242,7 +269,7 @@ def run_fair_sft(sft_config: str, opd_config: str, *, source: str = "opd_pool", 
               f"{interval} steps -> {out}", file=sys.stderr)
         return {"max_steps": steps, "val_interval": interval}
 
-    final = run_sft(cfg, budget_for=budget_for, prompts=prompts, val_prompts=val)
+    final = sft.run_sft(cfg, budget_for=budget_for, prompts=prompts, val_prompts=val)
     v = read_drafter_metadata(final)["validation"]
     curve = v["curve"]
     last = max(curve, key=lambda p: p["step"])

@@ -19,63 +19,21 @@ would knock (b) off the start's minimum before it learns anything.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Optional
 
+from specforge_opd.atomic import atomic_write_text
 from specforge_opd.config import load_config
+from specforge_opd.eval import evaluate
+from specforge_opd.eval.ngram import NGRAM_NAME
 from specforge_opd.models.drafter import read_drafter_metadata
+from specforge_opd.models.target import apply_threads
+from specforge_opd.precision import machine_info
+from specforge_opd.stages import baselines, sft
+# the matched budget's helpers live with the fair baselines, which use them too; importable from here as before
+from specforge_opd.stages.baselines import matched_steps, opd_drafter_flops, start_shape_overrides
 from specforge_opd.stages.publish import source_commit
-
-
-def opd_drafter_flops(opd_final: Path) -> float:
-    """The OPD run's drafter-training FLOPs: ``drafter_budget`` of its export's ``opd_run_flops``
-    (the whole run, whichever refresh validation selected), else of ``opd_flops``.
-
-    Raises:
-        ValueError: the OPD export has no FLOPs metadata.
-    """
-    from specforge_opd.eval.flops import FlopsLedger
-
-    meta = read_drafter_metadata(opd_final)
-    run = meta.get("opd_run_flops") or meta.get("opd_flops")
-    if run is None:
-        raise ValueError(f"{opd_final}: no opd_flops metadata (not an OPD export of this project)")
-    return FlopsLedger.from_dict(run).drafter_budget
-
-
-def matched_steps(sft_cfg, start: Path, responses: list, opd_flops: float) -> tuple[int, float]:
-    """(steps, FLOPs per SFT step): continued-SFT steps of ``sft_cfg`` on ``responses`` that spend
-    ``opd_flops`` drafter-training FLOPs, for the drafter at ``start`` (its shape sets the cost)."""
-    from transformers import AutoConfig
-
-    from specforge_opd.eval.flops import sft_flops
-    from specforge_opd.models.drafter import load_drafter
-
-    tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
-    dcfg = load_drafter(start, target_config=tcfg).config  # any drafter form OPD accepts
-    per_step = sft_flops(sft_cfg, dcfg, tcfg, responses, steps=1, captured_here=False).drafter_train
-    return max(1, math.ceil(opd_flops / per_step)), per_step
-
-
-def start_shape_overrides(sft_cfg, start: Path) -> list[str]:
-    """``draft.*`` overrides that give an SFT config the shape of the drafter at ``start`` (layers, block
-    size, target layers, MLP width): a baseline continues that drafter, whatever its SFT YAML says."""
-    from transformers import AutoConfig
-
-    from specforge_opd.models.drafter import drafter_shape, load_drafter, shape_overrides
-
-    tcfg = AutoConfig.from_pretrained(_target_of(sft_cfg, start))
-    return shape_overrides(drafter_shape(load_drafter(start, target_config=tcfg)))
-
-
-def _target_of(cfg, start: Path) -> str:
-    """The target's HF directory: the one the starting drafter records, else the config's."""
-    from specforge_opd.models.target import target_dir
-
-    t = read_drafter_metadata(start).get("target")
-    return t if t and Path(t).is_dir() else target_dir(cfg)
 
 
 def _main_job_sft(sft_cfg) -> Optional[dict]:
@@ -102,12 +60,9 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
     Raises:
         ValueError: an unknown ``baseline``, no ``draft.path`` in the OPD config, or no OPD FLOPs metadata.
     """
-    from specforge_opd.stages.baselines import load_pair
-    from specforge_opd.stages.sft import run_sft
-
     if baseline not in ("opd_pool", "sft_data"):
         raise ValueError(f"baseline={baseline!r}: expected opd_pool or sft_data")
-    sft_cfg, opd_cfg, start = load_pair(sft_config, opd_config, overrides)
+    sft_cfg, opd_cfg, start = baselines.load_pair(sft_config, opd_config, overrides)
     sft_out = Path(sft_cfg.resolve_path(sft_cfg.output.dir))
     opd_final = Path(opd_out or opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     opd = opd_drafter_flops(opd_final)
@@ -128,7 +83,7 @@ def run_matched_sft(sft_config: str, opd_config: str, out: Optional[Path] = None
               f"from {start} for {steps} steps on the {baseline} responses -> {out}", file=sys.stderr)
         return steps
 
-    return run_sft(cfg, budget_for=lambda responses: {"max_steps": steps_for(responses)})
+    return sft.run_sft(cfg, budget_for=lambda responses: {"max_steps": steps_for(responses)})
 
 
 def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_seconds: dict, extra: Optional[dict] = None) -> dict:
@@ -146,8 +101,6 @@ def build_summary(result: dict, names: list[str], *, seeds: list[int], stage_sec
         rows.append({"drafter": n, "tau": taus, "mean_tau": sum(taus.values()) / len(taus),
                      "drafter_flops": (d.get("flops") or {}).get("drafter_budget")})
     e = result["eval"]
-    from specforge_opd.precision import machine_info
-
     # stage_seconds depend on the CPU (bf16 is native on some): the machine goes with them
     return {"rows": rows, "seeds": list(seeds), "commit": commit, "stage_seconds": dict(stage_seconds), "machine": machine_info(),
             "eval": {"method": result["method"], "num_prompts": e["num_prompts"], "max_new_tokens": e["max_new_tokens"],
@@ -224,13 +177,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(training.learning_rate), so that both sides take the same step size")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides applied to both configs")
     args = p.parse_args(argv)
-    from specforge_opd.eval.evaluate import evaluate
-    from specforge_opd.eval.ngram import NGRAM_NAME
-
     sft_cfg = load_config(args.sft_config, args.overrides)
     opd_cfg = load_config(args.opd_config, args.overrides)
-    from specforge_opd.models.target import apply_threads
-
     apply_threads(opd_cfg.target.threads)
     opd_final = Path(opd_cfg.resolve_path(opd_cfg.output.dir)) / "final"
     import time
@@ -247,12 +195,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         matched = run_matched_sft(args.sft_config, args.opd_config, overrides=args.overrides, baseline=args.baseline)
         drafters = {"SFT": start, "SFT + matched-FLOPs SFT": matched, "SFT + OPD": opd_final}
     else:
-        from specforge_opd.stages.baselines import run_fair_sft
-
         # run_fair_sft applies these after the recipe, and to both configs: the OPD config keeps its own rate
         same_lr = [f"training.learning_rate={opd_cfg.training.learning_rate}"] if args.baseline_lr == "opd" else []
-        fair = run_fair_sft(args.sft_config, args.opd_config, source=args.baseline, recipe=args.recipe,
-                            overrides=list(args.overrides) + same_lr)
+        fair = baselines.run_fair_sft(args.sft_config, args.opd_config, source=args.baseline, recipe=args.recipe,
+                                      overrides=list(args.overrides) + same_lr)
         drafters = {"SFT": start, "SFT + matched-FLOPs SFT": fair["matched"]}
         if fair["selected_step"] != fair["steps"]:
             drafters["SFT + best-val SFT"] = fair["best_val"]
@@ -260,14 +206,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     stages["matched_sft"] = time.time() - t0
     out = Path(args.out) if args.out else opd_final.parent / "comparison"
     t0 = time.time()
-    result = evaluate(opd_cfg, drafters, out)
+    result = evaluate.evaluate(opd_cfg, drafters, out)
     stages["eval"] = time.time() - t0
     names = ([NGRAM_NAME] if NGRAM_NAME in result["drafters"] else []) + list(drafters)
     text = table(result, names)
     if args.summary:
         import json
-
-        from specforge_opd.atomic import atomic_write_text
 
         summary = build_summary(result, names, seeds=[opd_cfg.data.seed, opd_cfg.rollout.seed], stage_seconds=stages,
                                 extra={"seed_fields": ["opd data.seed", "opd rollout.seed"],

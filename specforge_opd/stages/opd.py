@@ -48,6 +48,7 @@ from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also op
 from specforge_opd.stages.plan import (
     OPDPlan,
     PlanError,
+    _target_config,
     captured_layers,
     estimate_rank_memory,
     iteration_prompt_indices,
@@ -95,35 +96,6 @@ def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
     """(hidden size, target layers, drafter layers captured) without loading weights."""
     tcfg = _target_config(cfg)
     return int(tcfg.hidden_size), int(tcfg.num_hidden_layers), captured_layers(cfg)
-
-
-def _target_config(cfg: ExperimentConfig):
-    """The target's HF (text) config without loading weights: a local directory, the embedded
-    target, or the packaged Qwen3 config fixture matching ``target.path``.
-
-    Raises:
-        PlanError: ``target.path`` is neither a directory nor a known Qwen3 size.
-    """
-    from transformers import AutoConfig
-
-    from specforge_opd.data.assets import qwen3_fixture_dir, target_entry
-
-    path = cfg.target.path
-    if path is None:
-        d = target_entry()
-        if not (d / "config.json").is_file():
-            from specforge_opd.data.assets import ensure_target
-
-            d = ensure_target()
-        tcfg = AutoConfig.from_pretrained(d)
-    elif Path(path).expanduser().is_dir():
-        tcfg = AutoConfig.from_pretrained(Path(path).expanduser())
-    else:
-        size = next((s for s in ("30b-a3b", "8b", "4b") if s in path.lower()), None)
-        if size is None:
-            raise PlanError(f"target.path={path} is not a local directory and no packaged config fixture matches it")
-        tcfg = AutoConfig.from_pretrained(qwen3_fixture_dir(size))
-    return getattr(tcfg, "text_config", tcfg)
 
 
 def _pool(cfg: ExperimentConfig, tokenizer=None):

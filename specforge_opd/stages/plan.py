@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 from specforge_opd.config import ExperimentConfig, bonus_teacher_missing
+from specforge_opd.data import assets
 from specforge_opd.errors import UserError
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -219,6 +221,31 @@ def per_rank_schedule(plan: OPDPlan, world: int) -> dict:
         "steps_per_iteration": plan.steps_per_iteration,
         "total_steps": plan.total_steps,
     }
+
+
+def _target_config(cfg: ExperimentConfig):
+    """The target's HF (text) config without loading weights: a local directory, the embedded
+    target, or the packaged Qwen3 config fixture matching ``target.path``.
+
+    Raises:
+        PlanError: ``target.path`` is neither a directory nor a known Qwen3 size.
+    """
+    from transformers import AutoConfig
+
+    path = cfg.target.path
+    if path is None:
+        d = assets.target_entry()
+        if not (d / "config.json").is_file():
+            d = assets.ensure_target()
+        tcfg = AutoConfig.from_pretrained(d)
+    elif Path(path).expanduser().is_dir():
+        tcfg = AutoConfig.from_pretrained(Path(path).expanduser())
+    else:
+        size = next((s for s in ("30b-a3b", "8b", "4b") if s in path.lower()), None)
+        if size is None:
+            raise PlanError(f"target.path={path} is not a local directory and no packaged config fixture matches it")
+        tcfg = AutoConfig.from_pretrained(assets.qwen3_fixture_dir(size))
+    return getattr(tcfg, "text_config", tcfg)
 
 
 def _dims(target_config) -> dict:

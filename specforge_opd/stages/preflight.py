@@ -15,6 +15,7 @@ from typing import Optional
 
 from specforge_opd.config import ConfigError, ExperimentConfig
 from specforge_opd.errors import DiskFullError, UserError, is_disk_full
+from specforge_opd.stages.plan import _target_config
 
 
 def check_writable(out_dir, field: str = "output.dir") -> Path:
@@ -79,7 +80,6 @@ def check_drafter(cfg: ExperimentConfig, path, *, field: str = "draft.path") -> 
         DrafterError: as ``models.drafter.load_any_drafter``; the message names the path.
     """
     from specforge_opd.models.drafter import DrafterError, drafter_path, load_any_drafter
-    from specforge_opd.stages.opd import _target_config
 
     if path is None:
         raise ConfigError(f"{field} is not set: pass the initial drafter (the SFT stage's export, a DFlash or "
