@@ -336,3 +336,55 @@ def test_help_and_config_do_not_load_torch(tmp_path):
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+#: The layers, lowest first. A module may import its own layer or a lower one; sglang, train and eval are peers
+#: that do not import each other except through LAYER_EXCEPTIONS. ``testing`` (the stand-in server) may import
+#: anything and nothing imports it. The README's design section shows the same order.
+LAYERS = [
+    ("core", ("errors", "atomic", "progress", "config", "stepkeys", "teacher_form")),
+    ("data", ("data",)),
+    ("models", ("models", "precision", "run_fingerprint")),
+    ("rollout", ("rollout",)),
+    ("peers", ("sglang", "train", "eval")),
+    ("stages", ("stages",)),
+    ("cli", ("cli",)),
+    ("testing", ("testing",)),
+]
+#: (importer, imported) edges allowed against the order, each with its reason
+LAYER_EXCEPTIONS = {
+    # a config path may be published:NAME; the registry imports only the stdlib (test_the_published_registry...)
+    ("config", "models.published"),
+    # the OPD replay ledger: eval.flops is a leaf (no internal imports) that counts FLOPs for every stage
+    ("train.trainer", "eval.flops"),
+}
+#: Edges against the order that the remaining refactoring steps remove: this list only shrinks.
+LAYER_DEBT = {
+    ("eval.evaluate", "cli"), ("rollout.engine", "cli"), ("stages.opd", "cli"), ("stages.sft", "cli"),
+    ("train.trainer", "cli"), ("rollout.engine", "stages.preflight"), ("train.trainer", "stages.preflight"),
+    ("rollout.engine", "sglang.rollout_backend"), ("rollout.responses", "sglang.contract"),
+    ("rollout.responses", "sglang.launcher"), ("rollout.responses", "sglang.verify_client"),
+}
+
+
+def _layer(module: str) -> tuple[int, str]:
+    """(rank, name) of a module's layer, from LAYERS; the name tells the peers apart."""
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if module == p or module.startswith(p + "."):
+                return rank, module.split(".")[0]
+    raise AssertionError(f"{module}: in no layer of LAYERS; add it where it belongs")
+
+
+def test_imports_follow_the_layer_order():
+    against = set()
+    for a, b, _, line in _internal_edges():
+        if not b:  # the package itself
+            continue
+        (ra, na), (rb, nb) = _layer(a), _layer(b)
+        if rb > ra or (ra == rb and LAYERS[ra][0] == "peers" and na != nb):
+            against.add((a, b))
+    unexplained = sorted(against - LAYER_EXCEPTIONS - LAYER_DEBT)
+    assert not unexplained, f"imports against the layer order (README, design section): {unexplained}"
+    paid = sorted(LAYER_DEBT - against)
+    assert not paid, f"these edges are gone: remove them from LAYER_DEBT: {paid}"
