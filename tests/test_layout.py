@@ -178,7 +178,7 @@ def test_the_published_registry_imports_only_the_stdlib():
 #: A ratchet toward the layers the README's design section describes: each refactoring step lowers these
 #: numbers (never raises them), and the goals are at most 10% function-level imports, no cycle, no module over
 #: 600 lines and no function over 120.
-FUNCTION_LEVEL_CAP = 142
+FUNCTION_LEVEL_CAP = 140
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES = [
     {"eval.evaluate", "eval.validation", "rollout.engine", "stages.opd", "stages.opd_validation",
