@@ -31,6 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
+from specforge_opd.atomic import atomic_write_json
+from specforge_opd.data.locations import cache_dir
+from specforge_opd.models import target
+
 #: Forces the CPU bf16 answer: "native" or "emulated" (anything else: detect).
 BF16_ENV = "SPECFORGE_OPD_CPU_BF16"
 #: x86 flags with which oneDNN runs bf16 matmuls natively; aarch64's is ``bf16``.
@@ -84,8 +88,6 @@ def _isa_cap_allows_bf16() -> bool:
 
 
 def _probe_path() -> Path:
-    from specforge_opd.data.locations import cache_dir
-
     return cache_dir() / _PROBE_FILE
 
 
@@ -137,8 +139,6 @@ def bf16_slowdown(threads: Optional[int] = None, *, refresh: bool = False) -> fl
     ratio = times[torch.bfloat16] / max(times[torch.float32], 1e-9)
     cached[key] = ratio
     try:
-        from specforge_opd.atomic import atomic_write_json
-
         atomic_write_json(path, cached)
     except OSError:
         pass  # a read-only cache costs a re-measure next time, nothing else
@@ -176,12 +176,10 @@ def machine_info() -> dict:
     """
     import torch
 
-    from specforge_opd.models.target import usable_cores
-
     native, why = cpu_bf16_native()
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_bf16_native": native, "cpu_bf16_reason": why, "cores": usable_cores(),
+            "cpu_bf16_native": native, "cpu_bf16_reason": why, "cores": target.usable_cores(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "platform": f"{platform.system()} {platform.machine()}", "cuda_device": cuda}
 

@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.models import target
+from specforge_opd.precision import resolve_trainer
 
 FILE = "run_fingerprint.json"
 #: Dotted prefixes that never change a run's result.
@@ -62,13 +64,10 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def result_fields(cfg: ExperimentConfig, verb: str) -> dict[str, Any]:
     """The dotted config fields (JSON values) that change the result of ``verb`` (``opd`` or ``distill``),
     ``auto`` fields resolved on this machine."""
-    from specforge_opd.models.target import resolve_device
-    from specforge_opd.precision import resolve_trainer
-
     ignored = _IGNORED + _IGNORED_BY_VERB[verb]
     flat = {k: v for k, v in _flatten(cfg.model_dump(mode="json")).items()
             if not any(k == p or (p.endswith(".") and k.startswith(p)) for p in ignored)}
-    device = resolve_device(cfg.target.device)
+    device = target.resolve_device(cfg.target.device)
     # a rank's own GPU (cuda:3) is the same choice as cuda: compare the kind of device
     flat["target.device"] = "cuda" if device.startswith("cuda") else device
     flat["training.mixed_precision"] = resolve_trainer(cfg.training.mixed_precision, flat["target.device"]).value

@@ -19,6 +19,8 @@ from specforge.modeling.draft.dflash import (  # noqa: F401
 )
 from transformers import Qwen3Config  # noqa: F401  (DFlashDraftModel.config_class)
 
+from specforge_opd.models.dflash_objective import dflash_objective_terms
+
 SPECFORGE_VERSION = "0.2.0"
 
 
@@ -89,8 +91,6 @@ class StoredGradDFlashModel(OnlineDFlashModel):
               "(sft.lm_head_recompute=false)", flush=True)
 
     def _dflash_objective_chunk_terms(self, hidden, target_ids, weight_mask):
-        from specforge_opd.models.dflash_objective import dflash_objective_terms
-
         loss_weights = weight_mask
         if self.loss_decay_gamma is not None and self.loss_decay_gamma > 0:
             # SpecForge's slot decay exp(-(k-1)/gamma), k the slot in the block (k=0, the anchor, has weight 0)

@@ -9,6 +9,9 @@ target's config and the ``draft`` section (``drafter.derive_draft_config``);
 from __future__ import annotations
 
 from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
+from specforge_opd.models.adapter import specforge_resolve_mask_token_id
+from specforge_opd.models.drafter import DrafterError, derive_draft_config
 
 
 def resolve_mask_token_id(cfg: ExperimentConfig, target_config, tokenizer=None) -> int:
@@ -26,16 +29,12 @@ def resolve_mask_token_id(cfg: ExperimentConfig, target_config, tokenizer=None) 
     if cfg.draft.mask_token_id is not None:
         return int(cfg.draft.mask_token_id)
     if cfg.target.path is None:
-        from specforge_opd.data.assets import EMBEDDED_MASK_TOKEN_ID
-
         return int(EMBEDDED_MASK_TOKEN_ID)
     if tokenizer is None:
         raise ConfigError(
             "draft.mask_token_id is not set and the target tokenizer is not loaded (dry run); "
             "set draft.mask_token_id (Qwen3: 151669, the first embedding row past the tokenizer)"
         )
-    from specforge_opd.models.adapter import specforge_resolve_mask_token_id
-
     vocab = int(getattr(target_config, "text_config", target_config).vocab_size)
     mask = specforge_resolve_mask_token_id(explicit=None, tokenizer=tokenizer, embedding_vocab_size=vocab)
     produced = {tokenizer.eos_token_id, *list(cfg.target.stop_token_ids)}
@@ -54,8 +53,6 @@ def make_draft_config(cfg: ExperimentConfig, target_config, mask_token_id: int):
     Raises:
         ConfigError: a layer id outside the target, or a mask id outside its vocabulary.
     """
-    from specforge_opd.models.drafter import DrafterError, derive_draft_config
-
     try:
         return derive_draft_config(
             target_config,

@@ -18,12 +18,10 @@ SGLang under ``--dtype auto`` serves a drafter whose config has no dtype, or
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,6 +31,8 @@ from safetensors.torch import load_file, save_file
 from specforge_opd.atomic import private_dir_to_umask
 from specforge_opd.errors import DiskFullError, UserError, is_disk_full, process_umask
 from specforge_opd.models.adapter import DFlashDraftModel, Qwen3Config, build_target_layer_ids
+from specforge_opd.models.published import SCHEME, resolve
+from specforge_opd.models.specforge_checkpoint import SpecForgeCheckpointError, read_specforge_checkpoint
 
 #: Fields copied from the target config into a derived drafter config.
 _TARGET_FIELDS = (
@@ -306,8 +306,6 @@ def drafter_path(path: str | os.PathLike) -> Path:
     Raises:
         DrafterError: ``published:NAME`` names no published drafter.
     """
-    from specforge_opd.models.published import SCHEME, resolve
-
     if str(path).startswith(SCHEME):
         try:
             return resolve(str(path))
@@ -522,46 +520,7 @@ def load_any_drafter(path: str | os.PathLike, target_config, *, expected_mask_to
 
 
 # ---------------------------------------------------------------------------
-# SpecForge checkpoints -> DFlashDraftModel
-
-
-def _resolve_state_file(path: Path) -> Path:
-    """The ``training_state.pt`` of a SpecForge checkpoint given as the file, a step dir, a ``-latest`` link or a run dir."""
-    from specforge_opd.models.adapter import specforge_checkpoint_layout
-
-    state_file, resolve = specforge_checkpoint_layout()
-    if path.is_file():
-        if path.name != state_file:
-            raise DrafterError(f"{path} is not a SpecForge {state_file}")
-        return path
-    if (path / state_file).is_file():
-        return path / state_file
-    try:
-        return Path(resolve(str(path))) / state_file
-    except (FileNotFoundError, ValueError) as e:
-        raise DrafterError(f"{path}: no config.json (not an HF DFlash directory) and no SpecForge checkpoint "
-                           f"({state_file}, a -step<N> dir or a -latest link): {e}")
-
-
-def recorded_draft_config(state: dict) -> Optional[dict]:
-    """The draft config.json a SpecForge checkpoint was trained with, if still on disk unchanged.
-
-    SpecForge records ``("file-stat-v2", path, ("sha256", "", size, digest))``
-    under ``specforge_model_provenance["draft_config"]``; the file is trusted
-    only when its sha256 still matches. Returns the parsed JSON or None.
-    """
-    try:
-        rec = dict(state.get("specforge_model_provenance") or ()).get("draft_config")
-        _kind, fpath, (algo, _name, _size, digest) = rec
-        data = Path(fpath).read_bytes()
-    except (TypeError, ValueError, OSError):
-        return None
-    if algo != "sha256" or hashlib.sha256(data).hexdigest() != digest:
-        return None
-    try:
-        return json.loads(data)
-    except json.JSONDecodeError:
-        return None
+# SpecForge checkpoints -> DFlashDraftModel (reading them: models/specforge_checkpoint.py)
 
 
 def load_specforge_checkpoint(path: str | os.PathLike, target_config, attention_backend: str = "sdpa"):
@@ -579,58 +538,20 @@ def load_specforge_checkpoint(path: str | os.PathLike, target_config, attention_
         DrafterError: no checkpoint there, not weights-only readable, not a
             DFlash checkpoint, or weights that do not fit the target.
     """
-    state_path = _resolve_state_file(Path(path))
     try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise DrafterError(
-            f"{state_path} cannot be read safely (torch.load weights_only=True): {e}; "
-            "export it to an HF directory with a trusted SpecForge install and pass that instead"
-        ) from None
-    if not isinstance(state, dict) or not isinstance(state.get("draft_state_dict"), dict):
-        raise DrafterError(f"{state_path} has no draft_state_dict (not a SpecForge training state)")
-    if state.get("strategy") not in (None, "dflash"):
-        raise DrafterError(f"{state_path} was trained with strategy {state.get('strategy')!r}, not dflash")
-    need = ("dflash_draft_num_hidden_layers", "dflash_target_layer_ids", "dflash_block_size", "dflash_mask_token_id")
-    missing = [k for k in need if k not in state]
-    if missing:
-        raise DrafterError(f"{state_path} lacks the DFlash resume contract fields {missing}")
-    weights = {k: v for k, v in state["draft_state_dict"].items() if "embed_tokens" not in k and "lm_head" not in k}
-    t = getattr(target_config, "text_config", target_config)
-    fc = weights.get("fc.weight")
-    if fc is not None and fc.shape[0] != t.hidden_size:
-        raise DrafterError(f"drafter {state_path} does not fit the target: hidden size {fc.shape[0]} != target "
-                           f"{t.hidden_size}")
-    # The drafter borrows the target's embedding and lm_head, so its weights do not
-    # show the vocabulary; the draft config it was trained with does.
-    recorded = recorded_draft_config(state)
-    if recorded is None:
-        warnings.warn(f"{state_path}: its draft config.json is gone or changed; the vocabulary it was trained "
-                      "for cannot be checked against the target", stacklevel=2)
-    else:
-        problems = [f"{k} {recorded[k]} != target {getattr(t, k)}" for k in ("vocab_size", "hidden_size")
-                    if k in recorded and recorded[k] != getattr(t, k)]
-        n = recorded.get("num_target_layers")
-        if n is not None and n != t.num_hidden_layers:
-            problems.append(f"num_target_layers {n} != target's {t.num_hidden_layers} layers")
-        if problems:
-            raise DrafterError(f"drafter {state_path} does not fit the target: " + "; ".join(problems))
-    gate = weights.get("layers.0.mlp.gate_proj.weight")
+        # stacklevel 3: the warning names this function's caller
+        ckpt = read_specforge_checkpoint(Path(path), target_config, stacklevel=3)
+    except SpecForgeCheckpointError as e:
+        raise DrafterError(str(e)) from None
+    state_path = ckpt.state_path
     try:
-        dcfg = derive_draft_config(
-            target_config,
-            num_hidden_layers=int(state["dflash_draft_num_hidden_layers"]),
-            block_size=int(state["dflash_block_size"]),
-            mask_token_id=int(state["dflash_mask_token_id"]),
-            target_layer_ids=[int(i) for i in state["dflash_target_layer_ids"]],
-            intermediate_size=int(gate.shape[0]) if gate is not None else None,
-        )
+        dcfg = derive_draft_config(target_config, **ckpt.shape)
     except DrafterError as e:
         raise DrafterError(f"drafter {state_path} does not fit the target: {e}") from None
     check_compatible(dcfg, target_config)
     model = build_drafter(dcfg, attention_backend)
     try:
-        missing_k, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+        missing_k, unexpected = model.load_state_dict({k: v.float() for k, v in ckpt.weights.items()}, strict=False)
     except RuntimeError as e:
         raise DrafterError(f"drafter {state_path} weights do not fit the target-derived architecture: {e}") from None
     missing_k = [k for k in missing_k if "embed_tokens" not in k and "lm_head" not in k]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specforge_opd.data import assets
 from specforge_opd.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -194,9 +195,7 @@ def target_dir(cfg) -> str:
         assets.AssetError: the embedded target could not be prepared.
     """
     if cfg.target.path is None:
-        from specforge_opd.data.assets import ensure_target
-
-        return str(ensure_target())
+        return str(assets.ensure_target())
     p = cfg.resolve_path(cfg.target.path)
     if p is not None and p.exists():
         return str(p)
@@ -222,9 +221,7 @@ def load_target(tcfg) -> TargetBundle:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if tcfg.path is None:
-        from specforge_opd.data.assets import ensure_target
-
-        path = ensure_target(getattr(tcfg, "cache_dir", None))
+        path = assets.ensure_target(getattr(tcfg, "cache_dir", None))
     else:
         path = resolve_target_path(tcfg.path)
     identity = target_identity(path)
