@@ -217,3 +217,24 @@ def test_inconsistent_records_in_one_shard(tmp_path):
     w = ShardWriter(tmp_path, META)
     with pytest.raises(ShardError, match="teacher form"):
         w.write([make_record("a", 5, [0], "topk"), make_record("b", 5, [0], "full")])
+
+
+def test_shard_meta_is_built_in_one_place_with_the_historical_keys(tmp_path):
+    """The standalone rollout and an OPD iteration build their meta with ``ShardMeta.of_rollout``: the keys
+    (and their order) the shard files have always stored, the OPD iteration's seed offset, and a writer that
+    takes the typed meta stores the same dict."""
+    from specforge_opd.config import load_config
+    from specforge_opd.rollout.shard_meta import ShardMeta
+
+    cfg = load_config(None, ["rollout.seed=5", "rollout.teacher=topk"])
+    common = dict(target_identity="t", drafter_identity="d", drafter_step=3, block_size=4,
+                  target_layer_ids=[1, 2], mask_token_id=9)
+    standalone = ShardMeta.of_rollout(cfg, **common).to_dict()
+    assert list(standalone) == ["target_identity", "drafter_identity", "drafter_step", "block_size", "target_layer_ids",
+                                "mask_token_id", "temperature", "top_p", "top_k", "seed", "teacher", "anchors",
+                                "features", "thinking", "target_dtype"]
+    assert standalone["seed"] == 5 and standalone["teacher"] == "topk"
+    it2 = ShardMeta.of_rollout(cfg, **common, iteration=2).to_dict()
+    assert list(it2)[-2:] == ["iteration", "target_dtype"] and it2["seed"] == 7 and it2["iteration"] == 2
+    w = ShardWriter(tmp_path / "s", ShardMeta.of_rollout(cfg, **common, iteration=2))
+    assert w.meta == it2

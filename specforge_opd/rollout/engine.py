@@ -27,6 +27,7 @@ from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_contex
 from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord, Teacher
+from specforge_opd.rollout.shard_meta import ShardMeta
 from specforge_opd.rollout.step import (
     COMPACT_BELOW,
     COMPACT_MIN_SLOTS,
@@ -538,23 +539,9 @@ def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
         for pr in pool:
             text = render_prompt(bundle.tokenizer, pr.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
             prompts.append((str(pr.id), bundle.tokenizer(text, add_special_tokens=False)["input_ids"]))
-    meta = {
-        "target_identity": bundle.identity,
-        "drafter_identity": str(cfg.draft.path),
-        "drafter_step": int(drafter_step),
-        "block_size": engine.block_size,
-        "target_layer_ids": engine.layer_ids,
-        "mask_token_id": mask,
-        "temperature": cfg.rollout.temperature,
-        "top_p": cfg.rollout.top_p,
-        "top_k": cfg.rollout.top_k,
-        "seed": cfg.rollout.seed,
-        "teacher": cfg.rollout.teacher,
-        "anchors": cfg.rollout.anchors,
-        "features": cfg.rollout.store_features,
-        "thinking": cfg.target.thinking,
-        "target_dtype": cfg.target.dtype,
-    }
+    meta = ShardMeta.of_rollout(cfg, target_identity=bundle.identity, drafter_identity=str(cfg.draft.path),
+                                drafter_step=int(drafter_step), block_size=engine.block_size,
+                                target_layer_ids=engine.layer_ids, mask_token_id=mask)
     writer = ShardWriter(out_dir, meta)
     if cfg.rollout.backend != "embedded":
         from specforge_opd.sglang.rollout_backend import sglang_rollout

@@ -13,10 +13,10 @@ A shard directory holds::
      "shards": [{"file", "sha256", "bytes", "sequences", "tokens",
                  "completion_tokens", "blocks", "meta"}, ...]}
 
-``meta`` (per shard, and the directory's in the manifest): ``target_identity``,
-``drafter_identity``, ``drafter_step``, ``block_size``, ``target_layer_ids``,
-``mask_token_id``, ``target_dtype``, ``temperature``, ``seed``, ``teacher`` (full/topk/token),
-``anchors`` (real/random) and whatever else the writer passes. Shards in one
+``meta`` (per shard, and the directory's in the manifest): ``rollout.shard_meta.ShardMeta``'s
+dict (``target_identity``, ``drafter_identity``, ``drafter_step``, ``block_size``, ``target_layer_ids``,
+``mask_token_id``, ``target_dtype``, the sampler, ``seed``, ``teacher`` (full/topk/token),
+``anchors`` (real/random), ...). Shards in one
 directory must agree on ``COMPAT_KEYS``.
 
 Each shard is one safetensors file whose tensors are the records' tensors
@@ -51,12 +51,12 @@ from safetensors.torch import save as st_save
 from specforge_opd.atomic import atomic_write_bytes
 from specforge_opd.errors import DiskFullError, UserError, is_disk_full
 from specforge_opd.rollout.records import RolloutRecord, accepted_histogram, tau_of
+from specforge_opd.rollout.shard_meta import COMPAT_KEYS, ShardMeta, compat_problems  # noqa: F401  (shards.COMPAT_KEYS)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-#: Meta fields every shard of a directory (and a reader's ``expect``) must agree on.
-#: ``target_dtype`` too: features and teacher signal of a bf16 target are not an fp32 one's.
-COMPAT_KEYS = ("block_size", "target_layer_ids", "target_identity", "mask_token_id", "target_dtype")
+# COMPAT_KEYS (rollout.shard_meta): the meta fields every shard of a directory (and a reader's ``expect``) must
+# agree on; ``target_dtype`` too, since features and teacher signal of a bf16 target are not an fp32 one's.
 _TEACHER = ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_draft_logprob")
 
 
@@ -89,14 +89,6 @@ def _read_manifest(d: Path) -> Optional[dict]:
             f"re-run the rollout into a fresh directory (or use the matching specforge-opd version)"
         )
     return man
-
-
-def _compat_problems(have: dict, want: dict) -> list[str]:
-    out = []
-    for k in COMPAT_KEYS:
-        if k in want and want[k] is not None and k in have and have[k] != want[k]:
-            out.append(f"{k}={have[k]!r} (expected {want[k]!r})")
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -149,7 +141,7 @@ class ShardWriter:
             manifest has this schema version and the same ``COMPAT_KEYS`` values; its
             shards are verified in full first (``heal_shards``: a damaged one is moved
             aside and unlisted, so a resume rolls its prompts out again).
-        meta: JSON-serializable run metadata (module docstring); stored per shard.
+        meta: the run's ``ShardMeta`` (or its dict; module docstring); stored per shard.
 
     Raises:
         ShardError: the directory holds shards of another schema version, or of an
@@ -157,10 +149,10 @@ class ShardWriter:
             safetensors files that no manifest lists and that this schema cannot read.
     """
 
-    def __init__(self, out_dir, meta: dict):
+    def __init__(self, out_dir, meta: "ShardMeta | dict"):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.meta = json.loads(json.dumps(meta))
+        self.meta = json.loads(json.dumps(meta.to_dict() if isinstance(meta, ShardMeta) else meta))
         #: Damaged shards this writer moved aside on opening the directory (``heal_shards``).
         self.healed: list[dict] = []
         man = _read_manifest(self.dir)
@@ -174,7 +166,7 @@ class ShardWriter:
                     )
             man = {"schema_version": SCHEMA_VERSION, "meta": self.meta, "shards": []}
         else:
-            bad = _compat_problems(man.get("meta", {}), self.meta)
+            bad = compat_problems(man.get("meta", {}), self.meta)
             if bad:
                 raise ShardError(f"{self.dir}: existing shards differ from this run in {', '.join(bad)}; use a fresh --out directory")
             self.healed = heal_shards(self.dir)
@@ -473,7 +465,7 @@ def _load_shard(d: Path, entry: dict, expect: Optional[dict]) -> tuple[dict, dic
         raise ShardError(f"{path}: shard schema {md.get('schema_version')!r}, this build reads {SCHEMA_VERSION}")
     meta = json.loads(md.get("meta", "{}"))
     if expect:
-        bad = _compat_problems(meta, expect)
+        bad = compat_problems(meta, expect)
         if bad:
             raise ShardError(f"{path}: incompatible with this run: {', '.join(bad)}")
     return tensors, meta, json.loads(md.get("sample_ids", "[]"))

@@ -43,6 +43,7 @@ from specforge_opd.errors import DiskFullError, is_disk_full
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
 from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.records import accepted_histogram, tau_of
+from specforge_opd.rollout.shard_meta import ShardMeta
 from specforge_opd.run_fingerprint import check_config_unchanged
 from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also opd.write_report for callers)
 from specforge_opd.stages.plan import (
@@ -174,7 +175,7 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
 # rollout phase
 
 
-def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: dict, drafter_step: int,
+def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: ShardMeta, drafter_step: int,
                   drafter_dir: Optional[str] = None, fault_after_shards: Optional[int] = None) -> dict:
     """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip sequences already written.
 
@@ -247,18 +248,14 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     }
 
 
-def _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step: int, it: int) -> dict:
+def _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step: int, it: int) -> ShardMeta:
     """The shard meta of iteration ``it``'s rollout (``shards`` module docstring)."""
     from specforge_opd.models.drafter import drafter_layer_ids, drafter_mask_token_id
 
-    return {
-        "target_identity": bundle.identity, "drafter_identity": str(drafter_dir), "drafter_step": drafter_step,
-        "block_size": int(drafter.block_size), "target_layer_ids": drafter_layer_ids(drafter),
-        "mask_token_id": drafter_mask_token_id(drafter), "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-        "top_k": cfg.rollout.top_k, "seed": cfg.rollout.seed + it, "teacher": cfg.rollout.teacher,
-        "anchors": cfg.rollout.anchors, "features": cfg.rollout.store_features, "thinking": cfg.target.thinking,
-        "iteration": it, "target_dtype": cfg.target.dtype,
-    }
+    return ShardMeta.of_rollout(cfg, target_identity=bundle.identity, drafter_identity=str(drafter_dir),
+                                drafter_step=drafter_step, block_size=int(drafter.block_size),
+                                target_layer_ids=drafter_layer_ids(drafter), mask_token_id=drafter_mask_token_id(drafter),
+                                iteration=it)
 
 
 def _final_rollout(cfg, bundle, prompts, plan: OPDPlan, drafter_dir, spool_root: Path) -> dict:
