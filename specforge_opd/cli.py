@@ -1,8 +1,10 @@
 """The ``specforge-opd`` command: one verb per job (DESIGN.md section 2).
 
-Each verb lives in the module that owns the job and is imported lazily, so
-``specforge-opd config`` does not pay for importing torch. A verb's function
-takes the remaining argv and returns an exit code.
+Each verb's function here parses its flags and the config, runs the checks that
+come before anything loads (``stages.preflight``), and calls the plain function
+of the module that owns the job. It imports that module inside its body, so
+``--help`` and ``specforge-opd config`` do not pay for importing torch. A verb's
+function takes the remaining argv and returns an exit code.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from specforge_opd.errors import USER_ERROR_EXIT, UserError, is_disk_full, one_l
 
 #: verb -> "module:function" (function(argv: list[str]) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare-assets": ("specforge_opd.data.prepare:cli", "convert the embedded target and unpack offline prompt sets"),
+    "prepare-assets": ("specforge_opd.cli:prepare_assets_cmd", "convert the embedded target and unpack offline prompt sets"),
     "config": ("specforge_opd.cli:config_cmd", "print the resolved experiment config"),
     "sft": ("specforge_opd.stages.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
     "rollout": ("specforge_opd.rollout.engine:cli", "one speculative rollout pass to shards"),
@@ -72,6 +74,22 @@ def config_cmd(argv: list[str]) -> int:
     print(dump_config(cfg), end="")
     return 0
 
+
+def prepare_assets_cmd(argv: list[str]) -> int:
+    """``specforge-opd prepare-assets [--cache DIR]``: prints what it did and how long it took."""
+    from specforge_opd.data import prepare
+    from specforge_opd.data.locations import CACHE_ENV, cache_dir
+
+    p = argparse.ArgumentParser(prog="specforge-opd prepare-assets", description=prepare.prepare_assets.__doc__)
+    p.add_argument("--cache", help=f"cache directory (default ${CACHE_ENV} or ~/.cache/specforge_opd)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rep = prepare.prepare_assets(args.cache)  # AssetError / PromptsError: reported by main
+    print(f"target: {rep['target']} ({rep['seconds']['target']:.2f} s)")
+    for name, n in rep["sources"].items():
+        print(f"prompts {name}: {n} records ({rep['seconds'][name]:.2f} s)")
+    print(f"total: {rep['seconds']['total']:.2f} s; cache {cache_dir(args.cache)}")
+    return 0
 
 #: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
 #: fallback (the drafter uses sdpa/flex here), DCP's single-process note, the LR scheduler's
