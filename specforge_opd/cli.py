@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 import warnings
@@ -25,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("specforge_opd.cli:config_cmd", "print the resolved experiment config"),
     "sft": ("specforge_opd.stages.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
     "rollout": ("specforge_opd.rollout.engine:cli", "one speculative rollout pass to shards"),
-    "inspect": ("specforge_opd.rollout.shards:cli", "validate and summarize a shard directory"),
+    "inspect": ("specforge_opd.cli:inspect_cmd", "validate and summarize a shard directory"),
     "distill": ("specforge_opd.train.trainer:cli", "the OPD trainer over shards"),
     "opd": ("specforge_opd.stages.opd:cli", "the whole iterated OPD stage"),
     "eval": ("specforge_opd.eval.evaluate:cli", "accepted length (tau) and speedup per dataset"),
@@ -89,6 +90,32 @@ def prepare_assets_cmd(argv: list[str]) -> int:
     for name, n in rep["sources"].items():
         print(f"prompts {name}: {n} records ({rep['seconds'][name]:.2f} s)")
     print(f"total: {rep['seconds']['total']:.2f} s; cache {cache_dir(args.cache)}")
+    return 0
+
+
+def inspect_cmd(argv: list[str]) -> int:
+    """``specforge-opd inspect DIR [--json]``: validate a shard directory and print its summary."""
+    from specforge_opd.rollout import shards
+
+    p = argparse.ArgumentParser(prog="specforge-opd inspect", description="validate and summarize a shard directory")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = p.parse_args(argv)
+    s = shards.inspect_dir(args.dir)  # a ShardError is reported by main (one line, exit 2)
+    if args.json:
+        print(json.dumps(s, indent=2, sort_keys=True))
+        return 0
+    m = s["meta"]
+    print(f"{s['dir']}: {s['shards']} shards (schema {s['schema_version']}), all checksums OK")
+    print(f"  sequences {s['sequences']}  tokens {s['tokens']}  completion tokens {s['completion_tokens']}  blocks {s['blocks']}")
+    print(f"  tau {s['tau']:.3f}  bytes {s['bytes']}  bytes/token {s['bytes_per_token']:.1f}")
+    print(f"  block_size {m.get('block_size')}  layer ids {m.get('target_layer_ids')}  teacher {m.get('teacher')}  "
+          f"anchors {m.get('anchors')}  T={m.get('temperature')}  drafter steps {s['drafter_steps']}")
+    hist = s["accepted_histogram"]
+    tot = sum(hist) or 1
+    print("  accepted length (r+1): " + "  ".join(f"{i + 1}:{h} ({100 * h / tot:.0f}%)" for i, h in enumerate(hist) if h))
+    if s["unlisted"]:
+        print(f"  unlisted files (ignored: incomplete writes, or damaged shards a resume moved aside): {', '.join(s['unlisted'])}")
     return 0
 
 #: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
