@@ -15,9 +15,10 @@ import json
 import logging
 import sys
 import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
-from specforge_opd.config import ExperimentConfig, load_config
+from specforge_opd.config import ConfigError, ExperimentConfig, load_config
 from specforge_opd.errors import USER_ERROR_EXIT, UserError, is_disk_full, one_line
 
 #: verb -> "module:function" (function(argv: list[str]) -> int)
@@ -29,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("specforge_opd.cli:inspect_cmd", "validate and summarize a shard directory"),
     "distill": ("specforge_opd.train.trainer:cli", "the OPD trainer over shards"),
     "opd": ("specforge_opd.stages.opd:cli", "the whole iterated OPD stage"),
-    "eval": ("specforge_opd.eval.evaluate:cli", "accepted length (tau) and speedup per dataset"),
+    "eval": ("specforge_opd.cli:eval_cmd", "accepted length (tau) and speedup per dataset"),
 }
 
 
@@ -116,6 +117,44 @@ def inspect_cmd(argv: list[str]) -> int:
     print("  accepted length (r+1): " + "  ".join(f"{i + 1}:{h} ({100 * h / tot:.0f}%)" for i, h in enumerate(hist) if h))
     if s["unlisted"]:
         print(f"  unlisted files (ignored: incomplete writes, or damaged shards a resume moved aside): {', '.join(s['unlisted'])}")
+    return 0
+
+
+def _parse_drafters(values: list[str]) -> dict[str, Path]:
+    """``--drafter DIR`` or ``NAME=DIR`` values -> {name: dir}; a bare DIR is named after its last part.
+
+    Raises:
+        ConfigError: one name given twice.
+    """
+    out: dict[str, Path] = {}
+    for v in values or []:
+        name, sep, path = v.partition("=")
+        if not sep:
+            name, path = Path(v).name or v, v
+        if name in out:
+            raise ConfigError(f"--drafter name `{name}` given twice; use NAME=DIR to tell them apart")
+        out[name] = Path(path)
+    return out
+
+
+def eval_cmd(argv: list[str]) -> int:
+    """``specforge-opd eval -c CFG --drafter DIR [--drafter NAME=DIR ...] [overrides] [--out DIR]``."""
+    from specforge_opd.eval import evaluate as ev
+
+    p = experiment_parser("eval", "accepted length (tau) and speedup per dataset; writes eval.json, eval.md, plots")
+    p.add_argument("--drafter", action="append", default=[], help="drafter HF directory, or NAME=DIR; repeat to compare")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results in output.dir even when they are of other drafters")
+    args, cfg = parse_experiment(p, argv)
+    drafters = _parse_drafters(args.drafter)
+    if not drafters and cfg.draft.path:
+        drafters = {"draft": Path(cfg.draft.path)}
+    out = Path(cfg.output.dir)
+    if not args.overwrite:
+        ev.check_results_free(out, drafters)
+    ev.evaluate(cfg, drafters, out)  # a UserError is reported by main (one line, exit 2)
+    print((out / "eval.md").read_text())
+    print(f"wrote {out / 'eval.json'}")
     return 0
 
 #: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
