@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -28,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("specforge_opd.stages.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
     "rollout": ("specforge_opd.rollout.engine:cli", "one speculative rollout pass to shards"),
     "inspect": ("specforge_opd.cli:inspect_cmd", "validate and summarize a shard directory"),
-    "distill": ("specforge_opd.train.trainer:cli", "the OPD trainer over shards"),
+    "distill": ("specforge_opd.cli:distill_cmd", "the OPD trainer over shards"),
     "opd": ("specforge_opd.stages.opd:cli", "the whole iterated OPD stage"),
     "eval": ("specforge_opd.cli:eval_cmd", "accepted length (tau) and speedup per dataset"),
 }
@@ -155,6 +156,34 @@ def eval_cmd(argv: list[str]) -> int:
     ev.evaluate(cfg, drafters, out)  # a UserError is reported by main (one line, exit 2)
     print((out / "eval.md").read_text())
     print(f"wrote {out / 'eval.json'}")
+    return 0
+
+
+def _rank0() -> bool:
+    """Whether this process is torchrun's rank 0 (or runs alone): the one that prints the verb's summary."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def distill_cmd(argv: list[str]) -> int:
+    """``specforge-opd distill -c CFG --shards DIR [--shards DIR ...] --drafter DIR --out DIR``."""
+    from specforge_opd.stages import preflight
+    from specforge_opd.train import trainer
+
+    p = experiment_parser("distill", "the OPD trainer over rollout shards (run under torchrun for FSDP2)")
+    p.add_argument("--shards", action="append", required=True, help="shard directory (repeat for several)")
+    p.add_argument("--drafter", help="initial drafter, an HF DFlash directory (default draft.path)")
+    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints under --out")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
+    args, cfg = parse_experiment(p, argv)
+    preflight.before_distill(cfg, args.shards, args.drafter, resume=not args.no_resume,
+                             allow_config_change=args.allow_config_change)
+    res = trainer.distill(cfg, args.shards, args.drafter, None, resume=not args.no_resume)
+    if _rank0():
+        if res.already_complete:
+            print(f"already complete at step {res.step}/{res.total_steps}: nothing trained; export {res.export_dir}")
+        else:
+            print(f"trained {res.steps_run} steps ({res.step}/{res.total_steps}); export {res.export_dir}")
     return 0
 
 #: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
