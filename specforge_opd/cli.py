@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-assets": ("specforge_opd.cli:prepare_assets_cmd", "convert the embedded target and unpack offline prompt sets"),
     "config": ("specforge_opd.cli:config_cmd", "print the resolved experiment config"),
     "sft": ("specforge_opd.stages.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
-    "rollout": ("specforge_opd.rollout.engine:cli", "one speculative rollout pass to shards"),
+    "rollout": ("specforge_opd.cli:rollout_cmd", "one speculative rollout pass to shards"),
     "inspect": ("specforge_opd.cli:inspect_cmd", "validate and summarize a shard directory"),
     "distill": ("specforge_opd.cli:distill_cmd", "the OPD trainer over shards"),
     "opd": ("specforge_opd.stages.opd:cli", "the whole iterated OPD stage"),
@@ -185,6 +185,18 @@ def distill_cmd(argv: list[str]) -> int:
         else:
             print(f"trained {res.steps_run} steps ({res.step}/{res.total_steps}); export {res.export_dir}")
     return 0
+
+
+def rollout_cmd(argv: list[str]) -> int:
+    """``specforge-opd rollout -c CFG [overrides] --out DIR``: one rollout pass over the prompt pool to shards."""
+    from specforge_opd.rollout import engine
+    from specforge_opd.stages import preflight
+
+    parser = experiment_parser("rollout", "one speculative rollout pass to shards")
+    parser.add_argument("--drafter-step", type=int, default=0, help="optimizer step of the drafter (stored in shards)")
+    args, cfg = parse_experiment(parser, argv)
+    preflight.check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
+    return engine.run_rollout(cfg, out_dir=cfg.output.dir, drafter_step=args.drafter_step)
 
 #: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
 #: fallback (the drafter uses sdpa/flex here), DCP's single-process note, the LR scheduler's
