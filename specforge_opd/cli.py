@@ -26,7 +26,7 @@ from specforge_opd.errors import USER_ERROR_EXIT, UserError, is_disk_full, one_l
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-assets": ("specforge_opd.cli:prepare_assets_cmd", "convert the embedded target and unpack offline prompt sets"),
     "config": ("specforge_opd.cli:config_cmd", "print the resolved experiment config"),
-    "sft": ("specforge_opd.stages.sft:cli", "the SFT stage on SpecForge (responses, features, train, export)"),
+    "sft": ("specforge_opd.cli:sft_cmd", "the SFT stage on SpecForge (responses, features, train, export)"),
     "rollout": ("specforge_opd.cli:rollout_cmd", "one speculative rollout pass to shards"),
     "inspect": ("specforge_opd.cli:inspect_cmd", "validate and summarize a shard directory"),
     "distill": ("specforge_opd.cli:distill_cmd", "the OPD trainer over shards"),
@@ -197,6 +197,24 @@ def rollout_cmd(argv: list[str]) -> int:
     args, cfg = parse_experiment(parser, argv)
     preflight.check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
     return engine.run_rollout(cfg, out_dir=cfg.output.dir, drafter_step=args.drafter_step)
+
+
+def sft_cmd(argv: list[str]) -> int:
+    """``specforge-opd sft -c CFG [section.field=value ...] [--dry-run] [--out DIR]``."""
+    from specforge_opd.stages import preflight, sft
+
+    parser = experiment_parser("sft", "the SFT stage on SpecForge (responses, features, train, export)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, draft config and estimates; load nothing")
+    args, cfg = parse_experiment(parser, argv)
+    if args.dry_run:
+        sft.dry_run(cfg)
+        return 0
+    preflight.check_writable(cfg.output.dir)  # before the target loads
+    preflight.check_prompt_sources(cfg)
+    if cfg.sft.init_drafter:
+        preflight.check_drafter(cfg, cfg.sft.init_drafter, field="sft.init_drafter")
+    sft.run_sft(cfg)  # a UserError (SFTError, DrafterError, ...) is reported by main
+    return 0
 
 #: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
 #: fallback (the drafter uses sdpa/flex here), DCP's single-process note, the LR scheduler's

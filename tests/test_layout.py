@@ -9,9 +9,10 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "specforge_opd"
 #: The SFT stage: the modules allowed to import ``specforge_opd.stages.sft``.
 SFT_STAGE = {"stages.sft", "stages.sft_features", "stages.sft_train"}
-#: The stage's entry point, which the main job's comparison and the fair baselines run for continued SFT: the
-#: names they may import from ``stages.sft``, or reach through it when they import the module itself.
-SFT_ENTRY = {"stages.compare": {"run_sft"}, "stages.baselines": {"run_sft"}}
+#: The stage's entry point, which the main job's comparison and the fair baselines run for continued SFT, and
+#: the ``sft`` verb (which also prints the dry-run plan): the names they may import from ``stages.sft``, or reach
+#: through it when they import the module itself.
+SFT_ENTRY = {"stages.compare": {"run_sft"}, "stages.baselines": {"run_sft"}, "cli": {"run_sft", "dry_run"}}
 
 
 def _module(path: Path) -> str:
