@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("specforge_opd.cli:rollout_cmd", "one speculative rollout pass to shards"),
     "inspect": ("specforge_opd.cli:inspect_cmd", "validate and summarize a shard directory"),
     "distill": ("specforge_opd.cli:distill_cmd", "the OPD trainer over shards"),
-    "opd": ("specforge_opd.stages.opd:cli", "the whole iterated OPD stage"),
+    "opd": ("specforge_opd.cli:opd_cmd", "the whole iterated OPD stage"),
     "eval": ("specforge_opd.cli:eval_cmd", "accepted length (tau) and speedup per dataset"),
 }
 
@@ -214,6 +214,26 @@ def sft_cmd(argv: list[str]) -> int:
     if cfg.sft.init_drafter:
         preflight.check_drafter(cfg, cfg.sft.init_drafter, field="sft.init_drafter")
     sft.run_sft(cfg)  # a UserError (SFTError, DrafterError, ...) is reported by main
+    return 0
+
+
+def opd_cmd(argv: list[str]) -> int:
+    """``specforge-opd opd -c CFG [overrides] [--dry-run] [--out DIR]``."""
+    from specforge_opd.stages import opd, preflight
+
+    p = experiment_parser("opd", "the iterated OPD stage: rollout -> shards -> distill -> export, repeated")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (schedule, spool, drafter) and exit")
+    p.add_argument("--drafter", help="shorthand for draft.path (initial drafter)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
+    args, cfg = parse_experiment(p, argv, lambda a: {"draft.path": a.drafter})
+    if args.dry_run:
+        opd.dry_run(cfg)
+        return 0
+    preflight.check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
+    final = opd.run_opd(cfg, allow_config_change=args.allow_config_change)
+    if _rank0():
+        print(f"OPD done: final drafter {final}; report {Path(cfg.output.dir) / 'report.md'}")
     return 0
 
 #: Messages every run printed that say nothing about this run: SpecForge's import-time flash_attn
