@@ -339,8 +339,7 @@ def test_offline_matches_live_on_embedded_target(embedded_target_dir):
 
 def test_cli_bad_input_exits_cleanly(tmp_path, capsys):
     """Unknown dataset and a missing drafter: exit code 2 and one clear line, before loading the target."""
-    from specforge_opd.cli import main
-    from specforge_opd.eval.evaluate import _parse_drafters
+    from specforge_opd.cli import _parse_drafters, main
 
     assert main(["eval", "--drafter", str(tmp_path), "eval.datasets=[nope]", "--out", str(tmp_path / "o")]) == 2
     assert "unknown dataset(s) ['nope']; known: mtbench" in capsys.readouterr().err

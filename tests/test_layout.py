@@ -9,9 +9,10 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "specforge_opd"
 #: The SFT stage: the modules allowed to import ``specforge_opd.stages.sft``.
 SFT_STAGE = {"stages.sft", "stages.sft_features", "stages.sft_train"}
-#: The stage's entry point, which the main job's comparison and the fair baselines run for continued SFT: the
-#: names they may import from ``stages.sft``, or reach through it when they import the module itself.
-SFT_ENTRY = {"stages.compare": {"run_sft"}, "stages.baselines": {"run_sft"}}
+#: The stage's entry point, which the main job's comparison and the fair baselines run for continued SFT, and
+#: the ``sft`` verb (which also prints the dry-run plan): the names they may import from ``stages.sft``, or reach
+#: through it when they import the module itself.
+SFT_ENTRY = {"stages.compare": {"run_sft"}, "stages.baselines": {"run_sft"}, "cli": {"run_sft", "dry_run"}}
 
 
 def _module(path: Path) -> str:
@@ -200,14 +201,15 @@ def test_the_published_registry_imports_only_the_stdlib():
 #: A ratchet toward the layers the README's design section describes: each refactoring step lowers these
 #: numbers (never raises them), and the goals are at most 10% function-level imports, no cycle, no module over
 #: 600 lines and no function over 120.
-FUNCTION_LEVEL_CAP = 96
+#: ``cli``'s own imports are not counted: its verb functions import the modules they run inside the function, so
+#: ``--help`` and ``config`` stay torch-free (``test_help_and_config_do_not_load_torch``).
+FUNCTION_LEVEL_CAP = 85
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES: list[set[str]] = []
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 #: module -> its line count today: it may shrink, not grow
-OVERSIZE_MODULES = {"rollout.step": 1004, "stages.opd": 637,
-                    "train.trainer": 709}
+OVERSIZE_MODULES = {"rollout.step": 1004, "train.trainer": 686}
 #: (module, function) -> its line count today (docstring and nested definitions included)
 LONG_FUNCTIONS = {("stages.opd", "run_opd"): 274, ("train.trainer", "distill"): 253,
                   ("stages.sft", "_run_sft"): 222, ("rollout.step", "speculate"): 161,
@@ -288,7 +290,7 @@ def _cycles(edges) -> list[set[str]]:
 
 
 def test_function_level_imports_only_go_down():
-    edges = _internal_edges()
+    edges = [e for e in _internal_edges() if e[0] != "cli"]  # the verbs' lazy imports: see FUNCTION_LEVEL_CAP
     inside = [f"{a} -> {b} (line {n})" for a, b, fn, n in edges if fn]
     assert len(inside) <= FUNCTION_LEVEL_CAP, (
         f"{len(inside)} of {len(edges)} internal imports sit inside functions, over the cap of {FUNCTION_LEVEL_CAP}: "
@@ -298,6 +300,17 @@ def test_function_level_imports_only_go_down():
 def test_no_new_import_cycle_with_function_level_imports():
     grown = [sorted(c) for c in _cycles(_internal_edges()) if not any(c <= k for k in KNOWN_CYCLES)]
     assert not grown, f"import cycles beyond the known ones: {grown}"
+
+
+def test_only_the_verbs_import_cli_and_preflight():
+    """The verbs (flags, config, the checks before the target loads) live in ``cli``, the top layer, and call the
+    library's plain functions: no other module of the package imports ``cli``, and ``stages.preflight`` is imported
+    by the verbs alone, not by a library module for a verb's sake."""
+    edges = _internal_edges()
+    to_cli = [f"{a} -> {b} (line {n})" for a, b, _, n in edges if b == "cli" and a != "cli"]
+    assert not to_cli, to_cli
+    to_preflight = [f"{a} -> {b} (line {n})" for a, b, _, n in edges if b == "stages.preflight" and a != "cli"]
+    assert not to_preflight, to_preflight
 
 
 def test_nothing_outside_testing_imports_it():
@@ -360,8 +373,6 @@ LAYER_EXCEPTIONS = {
 }
 #: Edges against the order that the remaining refactoring steps remove: this list only shrinks.
 LAYER_DEBT = {
-    ("eval.evaluate", "cli"), ("rollout.engine", "cli"), ("stages.opd", "cli"), ("stages.sft", "cli"),
-    ("train.trainer", "cli"), ("rollout.engine", "stages.preflight"), ("train.trainer", "stages.preflight"),
     ("rollout.engine", "sglang.rollout_backend"), ("rollout.responses", "sglang.contract"),
     ("rollout.responses", "sglang.launcher"), ("rollout.responses", "sglang.verify_client"),
 }

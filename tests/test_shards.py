@@ -105,6 +105,8 @@ def test_teacher_is_one_tagged_value():
 
 
 def test_inspect_summary_numbers(tmp_path, capsys):
+    from specforge_opd.cli import main
+
     recs = [make_record("a", 5, [0, 2, 3]), make_record("b", 3, [1])]
     ShardWriter(tmp_path, META).write(recs)
     s = inspect_dir(tmp_path)
@@ -114,9 +116,9 @@ def test_inspect_summary_numbers(tmp_path, capsys):
     assert s["tau"] == pytest.approx(12 / 4)
     assert s["accepted_histogram"] == [1, 1, 1, 1]  # r+1 = 1, 3, 4 (a) and 2 (b)
     assert s["bytes_per_token"] == pytest.approx(s["bytes"] / 20)
-    assert shards.cli([str(tmp_path), "--json"]) == 0
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["blocks"] == 4
-    assert shards.cli([str(tmp_path)]) == 0
+    assert main(["inspect", str(tmp_path)]) == 0
     assert "tau 3.000" in capsys.readouterr().out
 
 

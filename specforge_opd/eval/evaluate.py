@@ -372,19 +372,7 @@ def render_markdown(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------
-# CLI
-
-
-def _parse_drafters(values: list[str]) -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for v in values or []:
-        name, sep, path = v.partition("=")
-        if not sep:
-            name, path = Path(v).name or v, v
-        if name in out:
-            raise ConfigError(f"--drafter name `{name}` given twice; use NAME=DIR to tell them apart")
-        out[name] = Path(path)
-    return out
+# earlier results in the output directory
 
 
 def check_results_free(out: Path, drafters: dict[str, Path]) -> None:
@@ -414,24 +402,3 @@ def check_results_free(out: Path, drafters: dict[str, Path]) -> None:
         names = ", ".join(f"{n}={had[n]}" for n in lost)
         raise EvalError(f"output.dir={out} already holds eval.json with drafters this run would drop ({names}); "
                         f"pass output.dir=NEW_DIR (or --out), keep them as --drafter NAME=DIR, or --overwrite to replace it")
-
-
-def cli(argv: list[str]) -> int:
-    """``specforge-opd eval -c CFG --drafter DIR [--drafter NAME=DIR ...] [overrides] [--out DIR]``."""
-    from specforge_opd.cli import experiment_parser, parse_experiment
-
-    p = experiment_parser("eval", "accepted length (tau) and speedup per dataset; writes eval.json, eval.md, plots")
-    p.add_argument("--drafter", action="append", default=[], help="drafter HF directory, or NAME=DIR; repeat to compare")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results in output.dir even when they are of other drafters")
-    args, cfg = parse_experiment(p, argv)
-    drafters = _parse_drafters(args.drafter)
-    if not drafters and cfg.draft.path:
-        drafters = {"draft": Path(cfg.draft.path)}
-    out = Path(cfg.output.dir)
-    if not args.overwrite:
-        check_results_free(out, drafters)
-    evaluate(cfg, drafters, out)  # a UserError is reported by cli.main (one line, exit 2)
-    print((out / "eval.md").read_text())
-    print(f"wrote {out / 'eval.json'}")
-    return 0

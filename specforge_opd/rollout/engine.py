@@ -490,20 +490,7 @@ def autoregressive_generate(
 
 
 # ---------------------------------------------------------------------------
-# CLI
-
-
-def cli(argv: list[str]) -> int:
-    """``specforge-opd rollout -c CFG [overrides] --out DIR``: one rollout pass over the prompt pool to shards."""
-    from specforge_opd.cli import experiment_parser, parse_experiment
-
-    parser = experiment_parser("rollout", "one speculative rollout pass to shards")
-    parser.add_argument("--drafter-step", type=int, default=0, help="optimizer step of the drafter (stored in shards)")
-    args, cfg = parse_experiment(parser, argv)
-    from specforge_opd.stages.preflight import check_before_target
-
-    check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
-    return run_rollout(cfg, out_dir=cfg.output.dir, drafter_step=args.drafter_step)
+# one rollout pass to shards (the job of the rollout verb)
 
 
 def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:

@@ -35,7 +35,6 @@ and whose safetensors metadata carries ``schema_version``, ``meta`` (JSON) and
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -551,27 +550,3 @@ def inspect_dir(shard_dir) -> dict:
         "unlisted": sorted(p.name for p in d.iterdir() if p.name != MANIFEST and p.name not in listed),
         "meta": meta,
     }
-
-
-def cli(argv: list[str]) -> int:
-    """``specforge-opd inspect DIR [--json]``: validate a shard directory and print its summary."""
-    p = argparse.ArgumentParser(prog="specforge-opd inspect", description="validate and summarize a shard directory")
-    p.add_argument("dir")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = p.parse_args(argv)
-    s = inspect_dir(args.dir)  # a ShardError is reported by cli.main (one line, exit 2)
-    if args.json:
-        print(json.dumps(s, indent=2, sort_keys=True))
-        return 0
-    m = s["meta"]
-    print(f"{s['dir']}: {s['shards']} shards (schema {s['schema_version']}), all checksums OK")
-    print(f"  sequences {s['sequences']}  tokens {s['tokens']}  completion tokens {s['completion_tokens']}  blocks {s['blocks']}")
-    print(f"  tau {s['tau']:.3f}  bytes {s['bytes']}  bytes/token {s['bytes_per_token']:.1f}")
-    print(f"  block_size {m.get('block_size')}  layer ids {m.get('target_layer_ids')}  teacher {m.get('teacher')}  "
-          f"anchors {m.get('anchors')}  T={m.get('temperature')}  drafter steps {s['drafter_steps']}")
-    hist = s["accepted_histogram"]
-    tot = sum(hist) or 1
-    print("  accepted length (r+1): " + "  ".join(f"{i + 1}:{h} ({100 * h / tot:.0f}%)" for i, h in enumerate(hist) if h))
-    if s["unlisted"]:
-        print(f"  unlisted files (ignored: incomplete writes, or damaged shards a resume moved aside): {', '.join(s['unlisted'])}")
-    return 0

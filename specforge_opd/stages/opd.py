@@ -582,25 +582,3 @@ def _tensorboard(cfg, out: Path):
     except ImportError:
         return None
     return SummaryWriter(str(out / "tensorboard" / "opd"))
-
-
-def cli(argv: list[str]) -> int:
-    """``specforge-opd opd -c CFG [overrides] [--dry-run] [--out DIR]``."""
-    from specforge_opd.cli import experiment_parser, parse_experiment
-
-    p = experiment_parser("opd", "the iterated OPD stage: rollout -> shards -> distill -> export, repeated")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (schedule, spool, drafter) and exit")
-    p.add_argument("--drafter", help="shorthand for draft.path (initial drafter)")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
-    args, cfg = parse_experiment(p, argv, lambda a: {"draft.path": a.drafter})
-    if args.dry_run:
-        dry_run(cfg)
-        return 0
-    from specforge_opd.stages.preflight import check_before_target
-
-    check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
-    final = run_opd(cfg, allow_config_change=args.allow_config_change)
-    if _rank_world()[0] == 0:
-        print(f"OPD done: final drafter {final}; report {Path(cfg.output.dir) / 'report.md'}")
-    return 0

@@ -500,27 +500,3 @@ def dry_run(cfg: ExperimentConfig) -> dict:
     p = est["precision"]
     print(f"  precision: training.mixed_precision={p['requested']} -> {p['value']} on {p['device']} ({p['reason']})")
     return {"draft_config": draft_config_dict(dcfg), "estimate": est}
-
-
-# ---------------------------------------------------------------------------
-# CLI
-
-
-def cli(argv: list[str]) -> int:
-    """``specforge-opd sft -c CFG [section.field=value ...] [--dry-run] [--out DIR]``."""
-    from specforge_opd.cli import experiment_parser, parse_experiment
-
-    parser = experiment_parser("sft", "the SFT stage on SpecForge (responses, features, train, export)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan, draft config and estimates; load nothing")
-    args, cfg = parse_experiment(parser, argv)
-    if args.dry_run:
-        dry_run(cfg)
-        return 0
-    from specforge_opd.stages.preflight import check_drafter, check_prompt_sources, check_writable
-
-    check_writable(cfg.output.dir)  # before the target loads
-    check_prompt_sources(cfg)
-    if cfg.sft.init_drafter:
-        check_drafter(cfg, cfg.sft.init_drafter, field="sft.init_drafter")
-    run_sft(cfg)  # a UserError (SFTError, DrafterError, ...) is reported by cli.main
-    return 0

@@ -684,26 +684,3 @@ def distill(
     finally:
         if initialized_here and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def cli(argv: list[str]) -> int:
-    """``specforge-opd distill -c CFG --shards DIR [--shards DIR ...] --drafter DIR --out DIR``."""
-    from specforge_opd.cli import experiment_parser, parse_experiment
-
-    p = experiment_parser("distill", "the OPD trainer over rollout shards (run under torchrun for FSDP2)")
-    p.add_argument("--shards", action="append", required=True, help="shard directory (repeat for several)")
-    p.add_argument("--drafter", help="initial drafter, an HF DFlash directory (default draft.path)")
-    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints under --out")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="resume although the config changed since the run started (recorded in run_fingerprint.json)")
-    args, cfg = parse_experiment(p, argv)
-    from specforge_opd.stages.preflight import before_distill
-
-    before_distill(cfg, args.shards, args.drafter, resume=not args.no_resume, allow_config_change=args.allow_config_change)
-    res = distill(cfg, args.shards, args.drafter, None, resume=not args.no_resume)
-    if int(os.environ.get("RANK", "0")) == 0:
-        if res.already_complete:
-            print(f"already complete at step {res.step}/{res.total_steps}: nothing trained; export {res.export_dir}")
-        else:
-            print(f"trained {res.steps_run} steps ({res.step}/{res.total_steps}); export {res.export_dir}")
-    return 0
