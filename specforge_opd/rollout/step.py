@@ -254,6 +254,114 @@ def _record(r: _Row, cfg: StepConfig, caps: TargetCaps, drafter_step: int) -> Ro
     return rec
 
 
+def _start_rows(indices: list, pre: Prefilled, prompts: list, rows: dict, cfg: StepConfig, caps: TargetCaps) -> list:
+    """Rows for the prompts ``indices`` from their prefill: the first response token (a_0 = prompt length).
+
+    Each new ``_Row`` goes into ``rows`` under its prompt index. Returns the rows' generators (None at T=0),
+    in ``indices`` order. Raises ValueError when a target that states features returned no feature rows.
+    """
+    if caps.features and pre.rows is None:
+        raise ValueError(f"{caps.name}: the prefill returned no feature rows")
+    new = [_Row(prompts[i][0], list(prompts[i][1]), len(prompts[i][1]),
+                row_generator(cfg.seed, prompts[i][0]) if cfg.temperature > 0 else None) for i in indices]
+    first = _target_tokens(pre.logits, pre.tokens, [r.gen for r in new], cfg)[:, 0]
+    for b, (i, r) in enumerate(zip(indices, new)):
+        if pre.rows is not None:
+            r.features.append(pre.rows[b])
+        _append(r, [int(first[b])], cfg)
+        rows[i] = r
+    return [r.gen for r in new]
+
+
+async def _turn_over(target: Target, slots: list, gens: list, queue: list, rows: dict, prompts: list,
+                     cfg: StepConfig, stats: dict, finish: Callable[[int], None]) -> tuple:
+    """Rows that ended leave the batch (``finish`` with their prompt index); the queue's next prompts take their
+    places (``target.admit``), and once the queue is empty the rest are dropped (``target.keep``).
+
+    A refilled row can end on its prefill token, hence the loop. ``slots`` (batch row -> prompt index) and
+    ``gens`` (its generator) are updated in place where rows are refilled. Returns the new (slots, gens),
+    empty when every row has ended.
+    """
+    while True:
+        ended = [j for j, i in enumerate(slots) if rows[i].done]
+        if not ended:
+            break
+        for j in ended:
+            finish(slots[j])
+        refill = ended[: len(queue)]
+        if refill:
+            ta = time.perf_counter()
+            idx = [queue.pop() for _ in refill]
+            new_gens = _start_rows(idx, await target.admit(refill, [list(prompts[i][1]) for i in idx]), prompts, rows, cfg,
+                                   target.caps)
+            for j, i, g in zip(refill, idx, new_gens):
+                slots[j], gens[j] = i, g
+            stats["admissions"] += len(refill)
+            stats["t_prefill"] += time.perf_counter() - ta
+        drop = set(ended[len(refill):])
+        if drop:
+            keep = [j for j in range(len(slots)) if j not in drop]
+            slots = [slots[j] for j in keep]
+            gens = [gens[j] for j in keep]
+            if not slots:
+                break
+            target.keep(keep)
+    return slots, gens
+
+
+async def _draft_and_verify(target: Target, drafter: Drafter, live: list) -> tuple:
+    """One block per live row: the drafter proposes d_1..d_{bs-1}, the target verifies ``[slot 0, d_1..d_{bs-1}]``
+    at the row's anchor. Returns (``Draft``, ``Verified``, seconds drafting, seconds verifying)."""
+    t1 = time.perf_counter()
+    req = DraftRequest(
+        tokens=[r.tokens for r in live],
+        features=[r.features for r in live],
+        anchors=torch.tensor([len(r.tokens) - 1 for r in live], dtype=torch.long),
+        slot0=torch.tensor([r.tokens[-1] for r in live], dtype=torch.long),
+    )
+    d = await drafter.propose(req)
+    t2 = time.perf_counter()
+    block = torch.cat([req.slot0.to(d.tokens.device).unsqueeze(1), d.tokens], dim=1)
+    v = await target.verify(req.tokens, block, req.anchors)
+    return d, v, t2 - t1, time.perf_counter() - t2
+
+
+def _accept(live: list, gens: list, d: Draft, v: Verified, cfg: StepConfig, caps: TargetCaps, teach: bool) -> tuple:
+    """Accept a verified block per live row: the target's tokens (sampled with each row's generator at T > 0), the
+    accepted count r, then the row's anchor, drafts (padding as -1), teacher, draft logits and the features of its
+    r+1 accepted positions are recorded and its r accepted tokens plus the bonus appended.
+
+    Returns (accepted counts int64 [B], tokens added). Raises ValueError when a target that states features
+    returned too few feature rows.
+    """
+    post = _target_tokens(v.logits, v.tokens, gens, cfg)
+    drafts = d.tokens.to(post.device)
+    acc = accepted_counts(drafts, post, d.lengths)
+    teacher = teacher_signal(v, drafts, cfg.teacher, cfg.teacher_topk) if teach else {}
+    shown = drafts
+    if d.lengths is not None:
+        # padding is recorded as -1, as the offline prompt-lookup replay does
+        pad = torch.arange(cfg.block_size - 1, device=drafts.device).unsqueeze(0) >= d.lengths.to(drafts.device).unsqueeze(1)
+        shown = drafts.masked_fill(pad, -1)
+    n_new = 0
+    for j, r in enumerate(live):
+        rj = int(acc[j])
+        r.anchors.append(len(r.tokens) - 1)
+        r.drafts.append(shown[j])
+        r.teacher.append({k: t[j] for k, t in teacher.items()})
+        if cfg.record_draft_logits and d.logits is not None:
+            r.draft_logits.append(d.logits[j])
+        if caps.features:
+            if v.rows is None or v.rows[j].shape[0] < rj + 1:
+                raise ValueError(
+                    f"{r.sample_id}: verify pass at anchor {len(r.tokens) - 1} returned no feature rows for the {rj + 1} accepted positions"
+                )
+            r.features.append(v.rows[j][: rj + 1])
+        new = drafts[j, :rj].tolist() + [int(post[j, rj])]
+        n_new += _append(r, new, cfg, block=rj)
+    return acc, n_new
+
+
 async def speculate(
     target: Target,
     drafter: Drafter,
@@ -303,7 +411,6 @@ async def speculate(
     for key in ("t_prefill", "t_draft", "t_verify", "t_other"):
         stats.setdefault(key, 0.0)
     caps = target.caps
-    bs = cfg.block_size
     teach = cfg.teacher in caps.teacher_forms
     n = len(prompts)
     width = n if not batch_size else min(n, int(batch_size))
@@ -311,20 +418,6 @@ async def speculate(
         raise ValueError(f"{caps.name} cannot refill finished rows (no admit): roll out with batch_size=None")
     records: list = [None] * n
     rows: dict = {}  # prompt index -> _Row while it decodes
-
-    def start(indices: list, pre: Prefilled) -> list:
-        """Rows for the prompts ``indices`` from their prefill: the first response token (a_0 = prompt length)."""
-        if caps.features and pre.rows is None:
-            raise ValueError(f"{caps.name}: the prefill returned no feature rows")
-        new = [_Row(prompts[i][0], list(prompts[i][1]), len(prompts[i][1]),
-                    row_generator(cfg.seed, prompts[i][0]) if cfg.temperature > 0 else None) for i in indices]
-        first = _target_tokens(pre.logits, pre.tokens, [r.gen for r in new], cfg)[:, 0]
-        for b, (i, r) in enumerate(zip(indices, new)):
-            if pre.rows is not None:
-                r.features.append(pre.rows[b])
-            _append(r, [int(first[b])], cfg)
-            rows[i] = r
-        return [r.gen for r in new]
 
     def finish(i: int) -> None:
         rec = _record(rows.pop(i), cfg, caps, drafter_step)
@@ -335,84 +428,26 @@ async def speculate(
 
     t0 = time.perf_counter()
     slots = list(range(width))  # batch row -> prompt index
-    gens = start(slots, await target.prefill([list(prompts[i][1]) for i in slots]))
+    gens = _start_rows(slots, await target.prefill([list(prompts[i][1]) for i in slots]), prompts, rows, cfg, caps)
     queue = list(range(width, n))[::-1]  # popped from the end: prompt order
     stats["t_prefill"] += time.perf_counter() - t0
 
     while True:
-        # rows that ended leave; the queue's next prompts take their places (a refilled row can end
-        # on its prefill token, hence the loop)
-        while True:
-            ended = [j for j, i in enumerate(slots) if rows[i].done]
-            if not ended:
-                break
-            for j in ended:
-                finish(slots[j])
-            refill = ended[: len(queue)]
-            if refill:
-                ta = time.perf_counter()
-                idx = [queue.pop() for _ in refill]
-                new_gens = start(idx, await target.admit(refill, [list(prompts[i][1]) for i in idx]))
-                for j, i, g in zip(refill, idx, new_gens):
-                    slots[j], gens[j] = i, g
-                stats["admissions"] += len(refill)
-                stats["t_prefill"] += time.perf_counter() - ta
-            drop = set(ended[len(refill):])
-            if drop:
-                keep = [j for j in range(len(slots)) if j not in drop]
-                slots = [slots[j] for j in keep]
-                gens = [gens[j] for j in keep]
-                if not slots:
-                    break
-                target.keep(keep)
+        slots, gens = await _turn_over(target, slots, gens, queue, rows, prompts, cfg, stats, finish)
         if not slots:
             break
         live = [rows[i] for i in slots]
-        t1 = time.perf_counter()
-        req = DraftRequest(
-            tokens=[r.tokens for r in live],
-            features=[r.features for r in live],
-            anchors=torch.tensor([len(r.tokens) - 1 for r in live], dtype=torch.long),
-            slot0=torch.tensor([r.tokens[-1] for r in live], dtype=torch.long),
-        )
-        d = await drafter.propose(req)
-        t2 = time.perf_counter()
-        block = torch.cat([req.slot0.to(d.tokens.device).unsqueeze(1), d.tokens], dim=1)
-        v = await target.verify(req.tokens, block, req.anchors)
+        d, v, t_draft, t_verify = await _draft_and_verify(target, drafter, live)
         t3 = time.perf_counter()
-        post = _target_tokens(v.logits, v.tokens, gens, cfg)
-        drafts = d.tokens.to(post.device)
-        acc = accepted_counts(drafts, post, d.lengths)
-        teacher = teacher_signal(v, drafts, cfg.teacher, cfg.teacher_topk) if teach else {}
-        shown = drafts
-        if d.lengths is not None:
-            # padding is recorded as -1, as the offline prompt-lookup replay does
-            pad = torch.arange(bs - 1, device=drafts.device).unsqueeze(0) >= d.lengths.to(drafts.device).unsqueeze(1)
-            shown = drafts.masked_fill(pad, -1)
-        n_new = 0
-        for j, r in enumerate(live):
-            rj = int(acc[j])
-            r.anchors.append(len(r.tokens) - 1)
-            r.drafts.append(shown[j])
-            r.teacher.append({k: t[j] for k, t in teacher.items()})
-            if cfg.record_draft_logits and d.logits is not None:
-                r.draft_logits.append(d.logits[j])
-            if caps.features:
-                if v.rows is None or v.rows[j].shape[0] < rj + 1:
-                    raise ValueError(
-                        f"{r.sample_id}: verify pass at anchor {len(r.tokens) - 1} returned no feature rows for the {rj + 1} accepted positions"
-                    )
-                r.features.append(v.rows[j][: rj + 1])
-            new = drafts[j, :rj].tolist() + [int(post[j, rj])]
-            n_new += _append(r, new, cfg, block=rj)
+        acc, n_new = _accept(live, gens, d, v, cfg, caps, teach)
         if progress is not None:
             progress(n_new)
         stats["verify_steps"] += len(live)
         stats["batch_steps"] += 1
         target.advance(acc)
         t4 = time.perf_counter()
-        stats["t_draft"] += t2 - t1
-        stats["t_verify"] += t3 - t2
+        stats["t_draft"] += t_draft
+        stats["t_verify"] += t_verify
         stats["t_other"] += t4 - t3
     return [] if on_record is not None else records
 
