@@ -36,6 +36,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from specforge_opd.models.adapter import extract_context_feature
+
 log = logging.getLogger(__name__)
 
 
@@ -456,8 +458,6 @@ class TargetRunner:
         )
         if not layer_ids:
             return out.last_hidden_state, None
-        from specforge_opd.models.adapter import extract_context_feature
-
         return out.last_hidden_state, extract_context_feature(out.hidden_states, layer_ids)
 
 
