@@ -260,11 +260,11 @@ def test_rows_of_mixed_lengths_are_not_compacted_every_step(target, monkeypatch)
     """A batch whose longest row fills the cache has nothing to squeeze, however low its valid fraction: the
     fraction-based rule copied the whole cache on every step of such a batch (decode at batch 32 ran at 58%
     of its speed)."""
-    from specforge_opd.rollout import step
+    from specforge_opd.rollout import inprocess
 
     calls = []
-    real = step.InProcessTarget._compact
-    monkeypatch.setattr(step.InProcessTarget, "_compact", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    real = inprocess.InProcessTarget._compact
+    monkeypatch.setattr(inprocess.InProcessTarget, "_compact", lambda self, *a: (calls.append(1), real(self, *a))[1])
     prompts = _prompts([2, 2, 3, 70])  # valid fraction about 0.28, the longest row fills every slot
     outs = autoregressive_generate(target, prompts, 20, [])
     assert calls == [] and all(len(o) == 20 for o in outs)
@@ -274,10 +274,10 @@ def test_rows_of_mixed_lengths_are_not_compacted_every_step(target, monkeypatch)
 def nan_caches_in_prompt_order(monkeypatch):
     """Fresh cache memory filled with NaN (what ``torch.empty`` may hold), prompts taken in the given order (so a
     later prompt can be longer than the cache), and counters of the paths that order reaches."""
-    from specforge_opd.rollout import decode, step
+    from specforge_opd.rollout import decode, inprocess
     from specforge_opd.rollout import engine as engine_module
 
-    real_init, real_pad, real_admit = decode.KVCache.__init__, decode.KVCache.pad_front, step.InProcessTarget.admit
+    real_init, real_pad, real_admit = decode.KVCache.__init__, decode.KVCache.pad_front, inprocess.InProcessTarget.admit
     seen = {"grown": 0, "before_first_draft": 0}
 
     def init(self, *a, **k):
@@ -295,7 +295,7 @@ def nan_caches_in_prompt_order(monkeypatch):
 
     monkeypatch.setattr(decode.KVCache, "__init__", init)
     monkeypatch.setattr(decode.KVCache, "pad_front", pad)
-    monkeypatch.setattr(step.InProcessTarget, "admit", admit)
+    monkeypatch.setattr(inprocess.InProcessTarget, "admit", admit)
     monkeypatch.setattr(engine_module, "queue_order", lambda lengths, batch_size, window_batches=4: list(range(len(lengths))))
     return seen
 

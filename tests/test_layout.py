@@ -209,11 +209,10 @@ KNOWN_CYCLES: list[set[str]] = []
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 #: module -> its line count today: it may shrink, not grow
-OVERSIZE_MODULES = {"rollout.step": 1004, "train.trainer": 686}
+OVERSIZE_MODULES = {"train.trainer": 686}
 #: (module, function) -> its line count today (docstring and nested definitions included)
 LONG_FUNCTIONS = {("stages.opd", "run_opd"): 274, ("train.trainer", "distill"): 253,
-                  ("stages.sft", "_run_sft"): 222, ("rollout.step", "speculate"): 161,
-                  ("train.replay", "recompute_from_target"): 146}
+                  ("stages.sft", "_run_sft"): 222, ("train.replay", "recompute_from_target"): 146}
 
 
 def _is_module(dotted: str) -> bool:

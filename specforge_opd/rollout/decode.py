@@ -456,6 +456,8 @@ class TargetRunner:
         )
         if not layer_ids:
             return out.last_hidden_state, None
+        # lazy: the adapter loads SpecForge, which the SGLang verify client and the stand-in (both import
+        # this module through rollout.step) never use
         from specforge_opd.models.adapter import extract_context_feature
 
         return out.last_hidden_state, extract_context_feature(out.hidden_states, layer_ids)

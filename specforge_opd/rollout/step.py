@@ -21,15 +21,18 @@ Batched and per-sequence driving are the same code: the in-process rollout
 calls ``speculate`` once with B rows (``run_inline``), SGLang's verify mode once
 per prompt with B = 1.
 
-Targets (``Target``): ``InProcessTarget`` here (an HF model on a preallocated
-KV cache: the slot layout, valid maps with holes and compaction live in it),
+The interfaces (``Target``, ``Drafter`` and what they answer) are in
+``interfaces``, the teacher signal of a verify pass in ``teacher``. Targets:
+``inprocess.InProcessTarget`` (an HF model on a preallocated KV cache: the slot
+layout, valid maps with holes and compaction live in it),
 ``sglang.verify_client.HTTPTarget`` (SGLang's ``/generate``) and
 ``sglang.speculate.LocalTarget`` (the same answers in-process, for the
-stand-in server and tests). Drafters (``Drafter``): ``CachedDFlashDrafter``
-(the DFlash drafter on the in-process target's slot layout, with its own cache
-of projected context features), ``DFlashDrafter`` (no cache: one forward over
-the whole context, what the HTTP path runs) and ``ngram.NgramDrafter``
-(prompt lookup).
+stand-in server and tests), the last two on ``PerSequenceTarget`` here.
+Drafters: ``drafters.CachedDFlashDrafter`` (the DFlash drafter on the
+in-process target's slot layout, with its own cache of projected context
+features), ``drafters.DFlashDrafter`` (no cache: one forward over the whole
+context, what the HTTP path runs) and ``ngram.NgramDrafter`` (prompt lookup).
+This module re-exports the moved names (``step.InProcessTarget`` and so on).
 """
 
 from __future__ import annotations
@@ -38,14 +41,25 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from specforge_opd.models.grouped_attention import grouped_attention
-from specforge_opd.rollout.decode import HFCache, TargetRunner, left_pad, prefill, step_mask
-from specforge_opd.rollout.records import TEACHER_TENSORS, RolloutRecord, Teacher
-from specforge_opd.teacher_form import TEACHER_FORMS
+# the moved implementations stay reachable here (``step.InProcessTarget`` ...): engine, sglang and tests import them so
+from specforge_opd.rollout.drafters import CachedDFlashDrafter, DFlashDrafter  # noqa: F401
+from specforge_opd.rollout.inprocess import COMPACT_BELOW, COMPACT_MIN_SLOTS, InProcessTarget  # noqa: F401
+from specforge_opd.rollout.interfaces import (  # noqa: F401
+    Draft,
+    Drafter,
+    DraftRequest,
+    Prefilled,
+    Target,
+    TargetCaps,
+    Verified,
+    greedy_only_error,
+)
+from specforge_opd.rollout.records import RolloutRecord, Teacher
+from specforge_opd.rollout.teacher import teacher_names, teacher_signal
 
 
 # ---------------------------------------------------------------------------
@@ -130,159 +144,6 @@ def accepted_counts(drafts: torch.Tensor, target_tokens: torch.Tensor, lengths: 
 
 
 # ---------------------------------------------------------------------------
-# the interfaces
-
-
-@dataclass(frozen=True)
-class TargetCaps:
-    """What a target can give, stated up front so a bad setting fails before any work.
-
-    Attributes:
-        name: how error messages name the backend (``"SGLang verify mode"``).
-        greedy_only: the target returns its own greedy tokens, not a distribution to sample
-            from, so ``rollout.temperature`` must be 0.
-        greedy_reason: why (quoted in the error).
-        teacher_forms: the ``rollout.teacher`` forms it can record; another form records
-            no teacher (the trainer recomputes it, ``training.feature_source=target``).
-        features: it returns context features of the requested layers.
-        vocab_size, hidden_size, hidden_dtype: shapes of empty teacher tensors (a row
-            whose first token ends it); None where the target does not know them.
-        topk: width of the top-k teacher it returns (remote targets fix it per request);
-            None: ``rollout.teacher_topk`` clipped to the vocabulary.
-    """
-
-    name: str
-    greedy_only: bool
-    teacher_forms: tuple
-    features: bool
-    greedy_reason: str = ""
-    vocab_size: Optional[int] = None
-    hidden_size: Optional[int] = None
-    hidden_dtype: Optional[torch.dtype] = None
-    topk: Optional[int] = None
-
-
-def greedy_only_error(temperature: float, caps: TargetCaps) -> ValueError:
-    """The one-line error for T > 0 on a greedy-only target, naming the setting."""
-    return ValueError(
-        f"rollout.temperature={temperature}: {caps.name} is greedy only ({caps.greedy_reason}); "
-        "set rollout.temperature=0 or use rollout.backend=embedded"
-    )
-
-
-@dataclass
-class Prefilled:
-    """The target's answer to a prefill of B prompts.
-
-    Exactly one of ``logits`` / ``tokens`` is set.
-
-    Attributes:
-        logits: float32 [B, 1, V] at each prompt's last position (the step samples the first token).
-        tokens: int64 [B, 1], the target's own (greedy) first token.
-        rows: per row float [P_b, D] features of the prompt positions, or None.
-    """
-
-    logits: Optional[torch.Tensor] = None
-    tokens: Optional[torch.Tensor] = None
-    rows: Optional[list] = None
-
-
-@dataclass
-class Verified:
-    """The target's answer to a verify pass of B blocks ``[slot 0, d_1..d_{bs-1}]``.
-
-    Exactly one of ``logits`` / ``tokens`` is set; the teacher comes from ``logits`` (and
-    ``hidden``) when set, else from the log-probs the target returned.
-
-    Attributes:
-        logits: float32 [B, bs, V] at slots 0..bs-1 (slot k predicts position a + k + 1).
-        hidden: [B, bs, H] final-norm hidden states at the slots (the ``full`` teacher), or None.
-        tokens: int64 [B, bs], the target's greedy token at each slot.
-        draft_logprob: float32 [B, bs-1], log p(d_k) at drafted slot k (from slot k-1).
-        top_ids, top_logprobs: int64 / float32 [B, bs-1, k], the teacher's top k at drafted slots.
-        rows: per row float [>= r+1, D] features of positions a..a+bs-1 (indexable by row), or None.
-    """
-
-    logits: Optional[torch.Tensor] = None
-    hidden: Optional[torch.Tensor] = None
-    tokens: Optional[torch.Tensor] = None
-    draft_logprob: Optional[torch.Tensor] = None
-    top_ids: Optional[torch.Tensor] = None
-    top_logprobs: Optional[torch.Tensor] = None
-    rows: Optional[object] = None
-
-
-class Target(Protocol):
-    """A target the step drives: "verify these blocks for these rows; give me logits or log-probs, and
-    features if asked", plus prefill. Rows are the batch's rows in order; ``keep`` drops finished ones.
-
-    A stateful target (``InProcessTarget``: a KV cache) learns from ``advance`` how many slots of
-    the last verify pass each row kept; a stateless one (HTTP: every request carries the whole
-    sequence) ignores ``advance`` and ``keep``.
-    """
-
-    caps: TargetCaps
-
-    async def prefill(self, prompts: list) -> Prefilled:
-        """``prompts``: per row the prompt's token ids (non-empty lists)."""
-        ...
-
-    async def verify(self, tokens: list, blocks: torch.Tensor, anchors: torch.Tensor) -> Verified:
-        """``tokens``: per row the sequence so far (positions 0..a); ``blocks`` int64 [B, bs]; ``anchors`` int64 [B]."""
-        ...
-
-    def advance(self, accepted: torch.Tensor) -> None:
-        """Row b kept slots 0..accepted[b] of the last verify pass (int64 [B])."""
-        ...
-
-    def keep(self, rows: list) -> None:
-        """Keep only these rows (indices into the current batch, in order)."""
-        ...
-
-
-@dataclass
-class DraftRequest:
-    """What a drafter sees for B rows about to be verified.
-
-    Attributes:
-        tokens: per row the sequence so far, positions 0..a (its last token is slot 0).
-        features: per row the list of feature tensors of positions 0..a-1 in order
-            (concatenate for the context), empty when the target returns none.
-        anchors: int64 [B] (= len(tokens[b]) - 1); slot0: int64 [B] (= tokens[b][-1]).
-    """
-
-    tokens: list
-    features: list
-    anchors: torch.Tensor
-    slot0: torch.Tensor
-
-
-@dataclass
-class Draft:
-    """A drafter's proposal for B blocks.
-
-    Attributes:
-        tokens: int64 [B, bs-1], valid token ids (padding included).
-        lengths: int64 [B] proposed tokens per row when fewer than bs-1 (prompt lookup);
-            slots past it are padding, never accepted and recorded as -1. None: all bs-1.
-        logits: float32 [B, bs-1, V] the drafter's logits, or None (kept with
-            ``record_draft_logits``).
-    """
-
-    tokens: torch.Tensor
-    lengths: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
-
-
-class Drafter(Protocol):
-    """Proposes bs-1 tokens per row (``block_size`` = bs)."""
-
-    block_size: int
-
-    async def propose(self, req: DraftRequest) -> Draft: ...
-
-
-# ---------------------------------------------------------------------------
 # the step
 
 
@@ -354,43 +215,6 @@ def _target_tokens(logits, tokens, gens, cfg: StepConfig) -> torch.Tensor:
     return tokens
 
 
-def teacher_signal(v: Verified, drafts: torch.Tensor, form: str, topk: int) -> dict:
-    """Teacher tensors at drafted slots 1..bs-1 from one verify pass (DESIGN.md, teacher signal).
-
-    The output at verify slot k-1 is the teacher for d_k, at temperature 1 and
-    unfiltered, whatever the rollout decodes at.
-
-    Args:
-        v: the verify pass of B blocks (``logits``/``hidden`` [B, bs, .] or the returned log-probs).
-        drafts: int64 [B, bs-1], the drafted tokens (padding included).
-        form: ``full`` -> ``teacher_hidden`` [B, bs-1, H]; ``topk`` -> ``teacher_topk_ids`` int64 and
-            ``teacher_topk_logprobs`` float32 [B, bs-1, k] plus ``teacher_draft_logprob``;
-            ``token`` -> ``teacher_draft_logprob`` float32 [B, bs-1].
-        topk: k when computed from logits (clipped to the vocabulary).
-    """
-    if form == "full":
-        return {"teacher_hidden": v.hidden[:, :-1]}
-    if v.logits is not None:
-        logp = torch.log_softmax(v.logits[:, :-1], dim=-1)
-        out = {"teacher_draft_logprob": logp.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)}
-        if form == "topk":
-            k = min(topk, logp.shape[-1])
-            top = torch.topk(logp, k, dim=-1)
-            out["teacher_topk_ids"] = top.indices
-            out["teacher_topk_logprobs"] = top.values
-        return out
-    out = {"teacher_draft_logprob": v.draft_logprob}
-    if form == "topk":
-        out["teacher_topk_ids"] = v.top_ids
-        out["teacher_topk_logprobs"] = v.top_logprobs
-    return out
-
-
-def teacher_names(form: str) -> tuple:
-    """The record fields a teacher form fills."""
-    return TEACHER_TENSORS[form]
-
-
 def _empty_teacher(name: str, caps: TargetCaps, cfg: StepConfig) -> torch.Tensor:
     """A teacher tensor with no blocks (a row whose first token ended it)."""
     bs = cfg.block_size
@@ -428,6 +252,114 @@ def _record(r: _Row, cfg: StepConfig, caps: TargetCaps, drafter_step: int) -> Ro
         rec.extra["draft_logits"] = torch.stack(r.draft_logits).cpu() if M and r.draft_logits else None
     rec.validate()
     return rec
+
+
+def _start_rows(indices: list, pre: Prefilled, prompts: list, rows: dict, cfg: StepConfig, caps: TargetCaps) -> list:
+    """Rows for the prompts ``indices`` from their prefill: the first response token (a_0 = prompt length).
+
+    Each new ``_Row`` goes into ``rows`` under its prompt index. Returns the rows' generators (None at T=0),
+    in ``indices`` order. Raises ValueError when a target that states features returned no feature rows.
+    """
+    if caps.features and pre.rows is None:
+        raise ValueError(f"{caps.name}: the prefill returned no feature rows")
+    new = [_Row(prompts[i][0], list(prompts[i][1]), len(prompts[i][1]),
+                row_generator(cfg.seed, prompts[i][0]) if cfg.temperature > 0 else None) for i in indices]
+    first = _target_tokens(pre.logits, pre.tokens, [r.gen for r in new], cfg)[:, 0]
+    for b, (i, r) in enumerate(zip(indices, new)):
+        if pre.rows is not None:
+            r.features.append(pre.rows[b])
+        _append(r, [int(first[b])], cfg)
+        rows[i] = r
+    return [r.gen for r in new]
+
+
+async def _turn_over(target: Target, slots: list, gens: list, queue: list, rows: dict, prompts: list,
+                     cfg: StepConfig, stats: dict, finish: Callable[[int], None]) -> tuple:
+    """Rows that ended leave the batch (``finish`` with their prompt index); the queue's next prompts take their
+    places (``target.admit``), and once the queue is empty the rest are dropped (``target.keep``).
+
+    A refilled row can end on its prefill token, hence the loop. ``slots`` (batch row -> prompt index) and
+    ``gens`` (its generator) are updated in place where rows are refilled. Returns the new (slots, gens),
+    empty when every row has ended.
+    """
+    while True:
+        ended = [j for j, i in enumerate(slots) if rows[i].done]
+        if not ended:
+            break
+        for j in ended:
+            finish(slots[j])
+        refill = ended[: len(queue)]
+        if refill:
+            ta = time.perf_counter()
+            idx = [queue.pop() for _ in refill]
+            new_gens = _start_rows(idx, await target.admit(refill, [list(prompts[i][1]) for i in idx]), prompts, rows, cfg,
+                                   target.caps)
+            for j, i, g in zip(refill, idx, new_gens):
+                slots[j], gens[j] = i, g
+            stats["admissions"] += len(refill)
+            stats["t_prefill"] += time.perf_counter() - ta
+        drop = set(ended[len(refill):])
+        if drop:
+            keep = [j for j in range(len(slots)) if j not in drop]
+            slots = [slots[j] for j in keep]
+            gens = [gens[j] for j in keep]
+            if not slots:
+                break
+            target.keep(keep)
+    return slots, gens
+
+
+async def _draft_and_verify(target: Target, drafter: Drafter, live: list) -> tuple:
+    """One block per live row: the drafter proposes d_1..d_{bs-1}, the target verifies ``[slot 0, d_1..d_{bs-1}]``
+    at the row's anchor. Returns (``Draft``, ``Verified``, seconds drafting, seconds verifying)."""
+    t1 = time.perf_counter()
+    req = DraftRequest(
+        tokens=[r.tokens for r in live],
+        features=[r.features for r in live],
+        anchors=torch.tensor([len(r.tokens) - 1 for r in live], dtype=torch.long),
+        slot0=torch.tensor([r.tokens[-1] for r in live], dtype=torch.long),
+    )
+    d = await drafter.propose(req)
+    t2 = time.perf_counter()
+    block = torch.cat([req.slot0.to(d.tokens.device).unsqueeze(1), d.tokens], dim=1)
+    v = await target.verify(req.tokens, block, req.anchors)
+    return d, v, t2 - t1, time.perf_counter() - t2
+
+
+def _accept(live: list, gens: list, d: Draft, v: Verified, cfg: StepConfig, caps: TargetCaps, teach: bool) -> tuple:
+    """Accept a verified block per live row: the target's tokens (sampled with each row's generator at T > 0), the
+    accepted count r, then the row's anchor, drafts (padding as -1), teacher, draft logits and the features of its
+    r+1 accepted positions are recorded and its r accepted tokens plus the bonus appended.
+
+    Returns (accepted counts int64 [B], tokens added). Raises ValueError when a target that states features
+    returned too few feature rows.
+    """
+    post = _target_tokens(v.logits, v.tokens, gens, cfg)
+    drafts = d.tokens.to(post.device)
+    acc = accepted_counts(drafts, post, d.lengths)
+    teacher = teacher_signal(v, drafts, cfg.teacher, cfg.teacher_topk) if teach else {}
+    shown = drafts
+    if d.lengths is not None:
+        # padding is recorded as -1, as the offline prompt-lookup replay does
+        pad = torch.arange(cfg.block_size - 1, device=drafts.device).unsqueeze(0) >= d.lengths.to(drafts.device).unsqueeze(1)
+        shown = drafts.masked_fill(pad, -1)
+    n_new = 0
+    for j, r in enumerate(live):
+        rj = int(acc[j])
+        r.anchors.append(len(r.tokens) - 1)
+        r.drafts.append(shown[j])
+        r.teacher.append({k: t[j] for k, t in teacher.items()})
+        if cfg.record_draft_logits and d.logits is not None:
+            r.draft_logits.append(d.logits[j])
+        if caps.features:
+            if v.rows is None or v.rows[j].shape[0] < rj + 1:
+                raise ValueError(
+                    f"{r.sample_id}: verify pass at anchor {len(r.tokens) - 1} returned no feature rows for the {rj + 1} accepted positions"
+                )
+            r.features.append(v.rows[j][: rj + 1])
+        new = drafts[j, :rj].tolist() + [int(post[j, rj])]
+        n_new += _append(r, new, cfg, block=rj)
+    return acc, n_new
 
 
 async def speculate(
@@ -479,7 +411,6 @@ async def speculate(
     for key in ("t_prefill", "t_draft", "t_verify", "t_other"):
         stats.setdefault(key, 0.0)
     caps = target.caps
-    bs = cfg.block_size
     teach = cfg.teacher in caps.teacher_forms
     n = len(prompts)
     width = n if not batch_size else min(n, int(batch_size))
@@ -487,20 +418,6 @@ async def speculate(
         raise ValueError(f"{caps.name} cannot refill finished rows (no admit): roll out with batch_size=None")
     records: list = [None] * n
     rows: dict = {}  # prompt index -> _Row while it decodes
-
-    def start(indices: list, pre: Prefilled) -> list:
-        """Rows for the prompts ``indices`` from their prefill: the first response token (a_0 = prompt length)."""
-        if caps.features and pre.rows is None:
-            raise ValueError(f"{caps.name}: the prefill returned no feature rows")
-        new = [_Row(prompts[i][0], list(prompts[i][1]), len(prompts[i][1]),
-                    row_generator(cfg.seed, prompts[i][0]) if cfg.temperature > 0 else None) for i in indices]
-        first = _target_tokens(pre.logits, pre.tokens, [r.gen for r in new], cfg)[:, 0]
-        for b, (i, r) in enumerate(zip(indices, new)):
-            if pre.rows is not None:
-                r.features.append(pre.rows[b])
-            _append(r, [int(first[b])], cfg)
-            rows[i] = r
-        return [r.gen for r in new]
 
     def finish(i: int) -> None:
         rec = _record(rows.pop(i), cfg, caps, drafter_step)
@@ -511,84 +428,26 @@ async def speculate(
 
     t0 = time.perf_counter()
     slots = list(range(width))  # batch row -> prompt index
-    gens = start(slots, await target.prefill([list(prompts[i][1]) for i in slots]))
+    gens = _start_rows(slots, await target.prefill([list(prompts[i][1]) for i in slots]), prompts, rows, cfg, caps)
     queue = list(range(width, n))[::-1]  # popped from the end: prompt order
     stats["t_prefill"] += time.perf_counter() - t0
 
     while True:
-        # rows that ended leave; the queue's next prompts take their places (a refilled row can end
-        # on its prefill token, hence the loop)
-        while True:
-            ended = [j for j, i in enumerate(slots) if rows[i].done]
-            if not ended:
-                break
-            for j in ended:
-                finish(slots[j])
-            refill = ended[: len(queue)]
-            if refill:
-                ta = time.perf_counter()
-                idx = [queue.pop() for _ in refill]
-                new_gens = start(idx, await target.admit(refill, [list(prompts[i][1]) for i in idx]))
-                for j, i, g in zip(refill, idx, new_gens):
-                    slots[j], gens[j] = i, g
-                stats["admissions"] += len(refill)
-                stats["t_prefill"] += time.perf_counter() - ta
-            drop = set(ended[len(refill):])
-            if drop:
-                keep = [j for j in range(len(slots)) if j not in drop]
-                slots = [slots[j] for j in keep]
-                gens = [gens[j] for j in keep]
-                if not slots:
-                    break
-                target.keep(keep)
+        slots, gens = await _turn_over(target, slots, gens, queue, rows, prompts, cfg, stats, finish)
         if not slots:
             break
         live = [rows[i] for i in slots]
-        t1 = time.perf_counter()
-        req = DraftRequest(
-            tokens=[r.tokens for r in live],
-            features=[r.features for r in live],
-            anchors=torch.tensor([len(r.tokens) - 1 for r in live], dtype=torch.long),
-            slot0=torch.tensor([r.tokens[-1] for r in live], dtype=torch.long),
-        )
-        d = await drafter.propose(req)
-        t2 = time.perf_counter()
-        block = torch.cat([req.slot0.to(d.tokens.device).unsqueeze(1), d.tokens], dim=1)
-        v = await target.verify(req.tokens, block, req.anchors)
+        d, v, t_draft, t_verify = await _draft_and_verify(target, drafter, live)
         t3 = time.perf_counter()
-        post = _target_tokens(v.logits, v.tokens, gens, cfg)
-        drafts = d.tokens.to(post.device)
-        acc = accepted_counts(drafts, post, d.lengths)
-        teacher = teacher_signal(v, drafts, cfg.teacher, cfg.teacher_topk) if teach else {}
-        shown = drafts
-        if d.lengths is not None:
-            # padding is recorded as -1, as the offline prompt-lookup replay does
-            pad = torch.arange(bs - 1, device=drafts.device).unsqueeze(0) >= d.lengths.to(drafts.device).unsqueeze(1)
-            shown = drafts.masked_fill(pad, -1)
-        n_new = 0
-        for j, r in enumerate(live):
-            rj = int(acc[j])
-            r.anchors.append(len(r.tokens) - 1)
-            r.drafts.append(shown[j])
-            r.teacher.append({k: t[j] for k, t in teacher.items()})
-            if cfg.record_draft_logits and d.logits is not None:
-                r.draft_logits.append(d.logits[j])
-            if caps.features:
-                if v.rows is None or v.rows[j].shape[0] < rj + 1:
-                    raise ValueError(
-                        f"{r.sample_id}: verify pass at anchor {len(r.tokens) - 1} returned no feature rows for the {rj + 1} accepted positions"
-                    )
-                r.features.append(v.rows[j][: rj + 1])
-            new = drafts[j, :rj].tolist() + [int(post[j, rj])]
-            n_new += _append(r, new, cfg, block=rj)
+        acc, n_new = _accept(live, gens, d, v, cfg, caps, teach)
         if progress is not None:
             progress(n_new)
         stats["verify_steps"] += len(live)
         stats["batch_steps"] += 1
         target.advance(acc)
         t4 = time.perf_counter()
-        stats["t_draft"] += t2 - t1
-        stats["t_verify"] += t3 - t2
+        stats["t_draft"] += t_draft
+        stats["t_verify"] += t_verify
         stats["t_other"] += t4 - t3
     return [] if on_record is not None else records
 
@@ -605,328 +464,6 @@ def run_inline(coro):
         return stop.value
     coro.close()
     raise RuntimeError("an in-process rollout awaited I/O: drive it with asyncio.run instead of run_inline")
-
-
-# ---------------------------------------------------------------------------
-# the in-process target
-
-
-#: Default compaction thresholds of ``InProcessTarget``: squeeze once the cache holds at least
-#: ``COMPACT_MIN_SLOTS`` slots and its longest row's valid slots are below ``COMPACT_BELOW`` of
-#: them. A squeeze costs one copy of the cache; holes cost attention on every step. Measured
-#: (``benchmarks/bench_compaction.py``, 2-core AMD EPYC, fp32, thresholds interleaved because the
-#: machine's speed drifts within a run): against 0.5, 0.95 runs plain generation with
-#: continuous batching 1.12-1.14x faster and speculative rollouts at block 8 1.09-1.10x.
-COMPACT_MIN_SLOTS = 64
-COMPACT_BELOW = 0.95
-
-
-class InProcessTarget:
-    """An HF target in this process on ``decode.TargetRunner``'s preallocated KV cache, for B rows at once.
-
-    Slot layout: the cache is shared by the batch and each row owns a boolean
-    ``valid`` map over cache *slots*; every token carries its own position id.
-    Prompts are left-padded (pad slots are holes). A verify step appends bs slots
-    per row; ``advance`` crops the cache to the batch's longest accepted prefix
-    and the slots a row rejected stay as masked holes. Holes are squeezed out
-    (``_compact``) once the cache has ``compact_min_slots`` slots and its longest
-    row holds fewer than ``compact_below`` of them: holes cost attention time,
-    squeezing costs a copy, and it cannot go below the longest row. Every forward gets a 4-D boolean mask from that map, so each
-    row sees exactly its own verified prefix: T=0 equals the target's greedy
-    decoding up to numerical ties (DESIGN.md, numerical ties).
-
-    Caches in ``slot_caches`` (the ``CachedDFlashDrafter``'s) share the slot
-    layout: they are compacted and row-selected with the target's.
-
-    Args:
-        model: HF causal LM in eval mode (``.model.embed_tokens``, ``.lm_head``).
-        layer_ids: decoder layers whose outputs are the context features (DESIGN.md,
-            target layer ids); empty: no features.
-        slack: cache slots to preallocate past the longest prompt (max_new_tokens + 2 blocks;
-            holes grow it, doubling, until compaction).
-        prefill_chunk: prompts go through the target in chunks of this many tokens.
-    """
-
-    def __init__(self, model, layer_ids: Sequence[int] = (), *, slack: int = 0, prefill_chunk: int = 256,
-                 compact_min_slots: int = COMPACT_MIN_SLOTS, compact_below: float = COMPACT_BELOW):
-        self.model = model
-        self.runner = TargetRunner.of(model)
-        self.device = next(model.parameters()).device
-        self.layer_ids = [int(i) for i in layer_ids] or None
-        self.slack = int(slack)
-        self.prefill_chunk = int(prefill_chunk)
-        self.compact_min_slots = compact_min_slots
-        self.compact_below = compact_below
-        w = model.lm_head.weight
-        self.caps = TargetCaps(
-            name="the in-process target", greedy_only=False, teacher_forms=TEACHER_FORMS, features=self.layer_ids is not None,
-            vocab_size=int(w.shape[0]), hidden_size=int(w.shape[1]), hidden_dtype=w.dtype,
-        )
-        self.slot_caches: list = []
-        #: ``fn(rows, feats [k, P, D], pos [k, P], valid [k, P])``: fill the context of admitted rows
-        #: at slots 0..P-1 of each slot cache (``admit``); the ``CachedDFlashDrafter`` registers one.
-        self.context_writers: list = []
-        #: Compactions so far.
-        self.compactions = 0
-        self.cache = self.valid = self.pending = self._last = None
-
-    async def prefill(self, prompts: list) -> Prefilled:
-        ids, valid, pos = left_pad(prompts, self.device)
-        self.cache = self.runner.new_cache(len(prompts), ids.shape[1] + self.slack)
-        hidden, feats = prefill(self.runner, self.cache, ids, valid, pos, self.layer_ids, self.prefill_chunk)
-        self.valid = valid
-        #: Context slots the drafter's cache lacks: (features [B, c, D] or None, positions [B, c]).
-        self.pending = (feats, pos)
-        rows = None if feats is None else [feats[b, valid[b]] for b in range(len(prompts))]
-        return Prefilled(logits=self.runner.logits(hidden).float(), rows=rows)
-
-    async def verify(self, tokens: list, blocks: torch.Tensor, anchors: torch.Tensor) -> Verified:
-        S0 = self.valid.shape[1]
-        # squeezing shortens the cache to its longest row's valid slots, never below: so the test is on
-        # that row, not on the valid fraction (rows of mixed lengths keep a low fraction for good), and
-        # a squeeze leaves nothing to squeeze until holes build up in the longest row again
-        if S0 >= self.compact_min_slots:
-            width = int(self.valid.sum(1).max())
-            if width < self.compact_below * S0:
-                self.compactions += 1
-                self._compact(width)
-        blocks = blocks.to(self.device)
-        block_pos = anchors.to(self.device).unsqueeze(1) + torch.arange(blocks.shape[1], device=self.device)
-        S = self.valid.shape[1]
-        mask = step_mask(self.valid, torch.ones_like(blocks, dtype=torch.bool))
-        hidden, feats = self.runner.forward(blocks, block_pos, mask, self.cache, self.layer_ids)
-        self._last = (S, feats, block_pos)
-        return Verified(logits=self.runner.logits(hidden).float(), hidden=hidden, rows=feats)
-
-    def advance(self, accepted: torch.Tensor) -> None:
-        # keep the batch's longest accepted prefix; shorter rows get holes
-        S, feats, block_pos = self._last
-        acc = accepted.to(self.device)
-        c = int(acc.max()) + 1
-        self.cache.crop(S + c)
-        self.valid = torch.cat([self.valid, torch.arange(c, device=self.device).unsqueeze(0) <= acc.unsqueeze(1)], dim=1)
-        self.pending = (None if feats is None else feats[:, :c], block_pos[:, :c])
-
-    def keep(self, rows: list) -> None:
-        sel = torch.tensor(rows, device=self.device)
-        self.cache.select_rows(sel)
-        for c in self.slot_caches:
-            c.select_rows(sel)
-        self.valid = self.valid[sel]
-        feats, pos = self.pending
-        self.pending = (None if feats is None else feats[sel], pos[sel])
-
-    async def admit(self, rows: list, prompts: list) -> Prefilled:
-        """Continuous batching: prefill ``prompts`` into batch rows ``rows`` (rows whose sequences ended).
-
-        The prompts are prefilled on their own (left-padded among themselves, no attention
-        to the batch), then their keys/values are copied into slots 0..P-1 of their rows of
-        the shared cache; the rest of those rows are holes. The drafter's context cache gets
-        the same slots (``context_writers``), or, before its first draft, the pending context
-        does. Where the cache is shorter than the prompts, hole slots are added in front of
-        every row first. Each row attends to its own valid slots with its own positions, so
-        a row's result does not depend on its neighbours (up to fp rounding).
-
-        Args:
-            rows: batch positions (ints) to refill, as many as ``prompts``.
-            prompts: per row the prompt's token ids (non-empty lists).
-        Returns:
-            ``Prefilled`` for those rows, in ``rows`` order.
-        """
-        ids, valid, pos = left_pad(prompts, self.device)
-        k, P = ids.shape
-        tmp = self.runner.new_cache(k, P)
-        hidden, feats = prefill(self.runner, tmp, ids, valid, pos, self.layer_ids, self.prefill_chunk)
-        S = self.valid.shape[1]
-        p_feats, p_pos = self.pending
-        c = p_pos.shape[1]
-        consumed = S - c  # slots the drafter's context cache already holds
-        before_first_draft = consumed == 0 and bool(self.slot_caches)
-        room = S if (before_first_draft or not self.slot_caches) else consumed
-        if P > room:
-            grow = P - room
-            self.cache.pad_front(grow)
-            for sc in self.slot_caches:
-                sc.pad_front(grow)
-            self.valid = torch.cat([self.valid.new_zeros(self.valid.shape[0], grow), self.valid], dim=1)
-            if before_first_draft:  # the pending context is every slot: it grows with them
-                p_pos = torch.cat([p_pos.new_zeros(p_pos.shape[0], grow), p_pos], dim=1)
-                if p_feats is not None:
-                    p_feats = torch.cat([p_feats.new_zeros(p_feats.shape[0], grow, p_feats.shape[2]), p_feats], dim=1)
-            S += grow
-        sel = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.cache.write_rows(sel, tmp, P)
-        new_valid = self.valid.new_zeros(k, S)
-        new_valid[:, :P] = valid
-        self.valid[sel] = new_valid
-        if before_first_draft:
-            p_pos = p_pos.clone()
-            p_pos[sel, :P] = pos
-            if p_feats is not None:
-                p_feats = p_feats.clone()
-                p_feats[sel, :P] = feats.to(p_feats.dtype)
-        else:
-            for write in self.context_writers:
-                write(sel, feats, pos, valid)
-        self.pending = (p_feats, p_pos)
-        rows_out = None if feats is None else [feats[b, valid[b]] for b in range(k)]
-        return Prefilled(logits=self.runner.logits(hidden).float(), rows=rows_out)
-
-    def _compact(self, width: int) -> None:
-        """Squeeze the holes out of every slot-layout cache, keeping each row's slot order; ``width``
-        = the longest row's valid slots, the squeezed cache's length."""
-        B, S = self.valid.shape
-        # sort holes first, valid slots last, stable so the valid slots keep their order (left padding)
-        key = self.valid.long() * (S + 1) + torch.arange(S, device=self.valid.device)
-        order = key.argsort(dim=1)[:, S - width:]
-        self.cache.gather_slots(order)
-        for c in self.slot_caches:
-            c.gather_slots(order)
-        self.valid = torch.gather(self.valid, 1, order)
-
-
-# ---------------------------------------------------------------------------
-# the DFlash drafters
-
-
-class CachedDFlashDrafter:
-    """The DFlash drafter on an ``InProcessTarget``'s slot layout, batched, with a cache of its context.
-
-    Its cache holds the projected context features (DFlash attention keys/values of
-    the target features) at the target's slot layout; the features of each target
-    forward are fed to it at the next draft, as SpecForge's ``spec_generate`` does
-    for one sequence. Each draft is one forward over the pending context slots and
-    the block ``[slot 0, MASK...]`` (DESIGN.md, block layout); the cache keeps the
-    context part only.
-
-    Args:
-        model: SpecForge ``DFlashDraftModel`` (``block_size``), eval mode.
-        target: the ``InProcessTarget`` it drafts for (embedding and lm_head are the target's).
-        mask_token_id: the MASK id of slots 1..bs-1.
-    """
-
-    def __init__(self, model, target: InProcessTarget, mask_token_id: int):
-        self.model = model
-        self.target = target
-        self.block_size = int(model.block_size)
-        self.mask_token_id = int(mask_token_id)
-        self.dtype = next(model.parameters()).dtype
-        self.cache = HFCache()
-        target.slot_caches.append(self.cache)
-        target.context_writers.append(self._write_context)
-
-    @torch.no_grad()
-    def _write_context(self, rows: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> None:
-        """The projected context of admitted rows (features ``feats`` [k, P, D] at positions ``pos`` [k, P])
-        into slots 0..P-1 of rows ``rows`` of this drafter's cache.
-
-        A DFlash layer's context keys/values are its k/v projections of the projected target
-        features alone (RoPE at their positions): neither the block nor the mask enters them.
-        So one forward of the admitted rows with a MASK block computes exactly what the batch's
-        own draft would have cached; the block's part is cropped.
-        """
-        t = self.target
-        k, P = pos.shape
-        bs = self.block_size
-        noise_ids = torch.full((k, bs), self.mask_token_id, dtype=torch.long, device=t.device)
-        blk_pos = pos[:, -1:] + 1 + torch.arange(bs, device=t.device)
-        mask = valid.unsqueeze(1).unsqueeze(1).expand(k, 1, bs, P)
-        mask = torch.cat([mask, torch.ones(k, 1, bs, bs, dtype=torch.bool, device=t.device)], dim=3)
-        tmp = HFCache()
-        with grouped_attention(self.model):
-            self.model(
-                position_ids=torch.cat([pos, blk_pos], dim=1),
-                noise_embedding=t.model.model.embed_tokens(noise_ids).to(self.dtype),
-                target_hidden=feats.to(self.dtype),
-                attention_mask=mask,
-                past_key_values=tmp.cache,
-                use_cache=True,
-            )
-        tmp.crop(P)
-        self.cache.write_rows(rows, tmp, P)
-
-    async def propose(self, req: DraftRequest) -> Draft:
-        """Returns the argmax of slots 1..bs-1 (int64 [B, bs-1]) and their logits (float32 [B, bs-1, V])."""
-        t = self.target
-        dev = t.device
-        bs = self.block_size
-        ctx_feats, ctx_pos = t.pending
-        B = ctx_pos.shape[0]
-        noise_ids = torch.full((B, bs), self.mask_token_id, dtype=torch.long, device=dev)
-        noise_ids[:, 0] = req.slot0.to(dev)
-        noise = t.model.model.embed_tokens(noise_ids)
-        blk_pos = req.anchors.to(dev).unsqueeze(1) + torch.arange(bs, device=dev)
-        S_d = self.cache.get_seq_length()
-        # the drafter's cache lags the target's by the pending slots: it sees the target's whole valid map
-        kv_valid = t.valid
-        assert kv_valid.shape[1] == S_d + ctx_pos.shape[1], "drafter cache out of step with the target's slots"
-        mask = kv_valid.unsqueeze(1).unsqueeze(1).expand(B, 1, bs, kv_valid.shape[1])
-        mask = torch.cat([mask, torch.ones(B, 1, bs, bs, dtype=torch.bool, device=dev)], dim=3)
-        with grouped_attention(self.model):  # the cache's keys read once per key/value head, not once per query head
-            out = self.model(
-                position_ids=torch.cat([ctx_pos, blk_pos], dim=1),
-                noise_embedding=noise.to(self.dtype),
-                target_hidden=ctx_feats.to(self.dtype),
-                attention_mask=mask,
-                past_key_values=self.cache.cache,
-                use_cache=True,
-            )
-        self.cache.crop(S_d + ctx_feats.shape[1])
-        logits = t.runner.logits(out[:, 1:]).float()
-        return Draft(tokens=logits.argmax(-1), logits=logits)
-
-
-class DFlashDrafter:
-    """The DFlash drafter with the target's frozen embedding and lm_head (the drafter has neither), no cache.
-
-    ``draft(context, slot0, anchor, prefix)``: one sequence; context float [a, n*H]
-    (features of positions 0..a-1; ``prefix``, the tokens 0..a, is unused by DFlash);
-    returns the bs-1 argmax tokens for slots 1..bs-1. One forward over context +
-    block: the same function ``spec_generate`` computes with its cache. ``propose``
-    drafts each row of a batch that way (the HTTP path: the target is remote and
-    the features arrive as rows).
-
-    Raises:
-        ValueError: the context does not cover positions 0..a-1, or there is none (a target
-            that returns no features).
-    """
-
-    def __init__(self, model, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module):
-        self.model = model.eval()
-        self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
-        self.block_size = int(model.block_size)
-        self.mask_token_id = int(model.mask_token_id)
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-
-    @torch.inference_mode()
-    def draft(self, context: torch.Tensor, slot0: int, anchor: int, prefix: Optional[list] = None) -> list:
-        if context.shape[0] != anchor:
-            raise ValueError(f"drafter context has {context.shape[0]} rows, anchor is {anchor}: features must cover 0..a-1")
-        bs = self.block_size
-        block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
-        block[0, 0] = int(slot0)
-        noise = self.embed_tokens(block).to(self.dtype)
-        pos = torch.arange(anchor + bs, device=self.device).unsqueeze(0)
-        hidden = self.model(
-            target_hidden=context.to(self.device, self.dtype).unsqueeze(0),
-            noise_embedding=noise,
-            position_ids=pos,
-            use_cache=False,
-            is_causal=False,
-        )
-        logits = self.lm_head(hidden[:, 1:, :].to(self.lm_head.weight.dtype))
-        return logits.argmax(-1)[0].tolist()
-
-    async def propose(self, req: DraftRequest) -> Draft:
-        out = []
-        for j, toks in enumerate(req.tokens):
-            if not req.features[j]:
-                raise ValueError("the drafter needs context features: speculative rollout requires rollout.store_features or a feature-returning target")
-            context = torch.cat(req.features[j], 0)
-            out.append(self.draft(context, toks[-1], len(toks) - 1, prefix=list(toks)))
-        return Draft(tokens=torch.tensor(out, dtype=torch.long).reshape(len(out), self.block_size - 1))
 
 
 # ---------------------------------------------------------------------------
