@@ -60,7 +60,7 @@ from specforge_opd.data.locations import AssetError, cache_dir, package_dir, pac
 from specforge_opd.data.prompt_record import OverlapIndex, PromptRecord, PromptsError, normalize_text, slice_of  # noqa: F401
 from specforge_opd.data.sources import (  # noqa: F401
     HUB_SOURCES, HUMANEVAL_FILE, HUMANEVAL_INSTRUCTION, MMATH_FILE, MMATH_SPLITS, MORE_PYTHON_TREES, MTBENCH_FILE,
-    SHAREGPT_FILE, SYMPY_TREE, _hub_offline, _parse_humaneval, _parse_mmath, _parse_mtbench, _parse_sharegpt,
+    SHAREGPT_FILE, SYMPY_TREE, _parse_humaneval, _parse_mmath, _parse_mtbench, _parse_sharegpt,
     _parse_sharegpt_turns, _sharegpt_later_turns, _sharegpt_record, iter_truncated_json_array, load_hub_source)
 from specforge_opd.stepkeys import SFTError
 

@@ -291,10 +291,6 @@ def hub_offline() -> bool:
     return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-#: The old private name, which stages.preflight still imports.
-_hub_offline = hub_offline
-
-
 def load_hub_source(name: str, local_files: Optional[dict[str, str]] = None) -> list[PromptRecord]:
     """A hub-only source from ``local_files[name]`` (JSONL, JSON array, Parquet, optionally .gz) or the hub.
 

@@ -20,6 +20,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from specforge_opd.data.prompts import held_out_prompts, prompt_token_ids
+from specforge_opd.eval.flops import FlopsLedger
+from specforge_opd.eval.validation import ValidationSet, add_point, plot_curve, read_curve, select
+from specforge_opd.models.drafter import load_any_drafter, read_drafter_metadata
+from specforge_opd.stages.plan import PlanError
+
 OPD_CURVE_FILE = "opd_curve.jsonl"
 OPD_CURVE_PLOT = "opd_curve.png"
 
@@ -39,11 +45,7 @@ class OPDValidation:
     """
 
     def __init__(self, cfg, bundle, out: Path, prompts: Optional[list[tuple[str, list[int]]]] = None):
-        from specforge_opd.eval.validation import ValidationSet
-
         if prompts is None:
-            from specforge_opd.data.prompts import held_out_prompts, prompt_token_ids
-
             tok = bundle.tokenizer
             records = held_out_prompts(cfg.data, cfg.opd.val_prompts, field="opd.val_prompts", cache=cfg.target.cache_dir,
                                        tokenizer=tok)
@@ -61,15 +63,10 @@ class OPDValidation:
 
     def curve(self) -> list[dict]:
         """The points recorded so far, in step order."""
-        from specforge_opd.eval.validation import read_curve
-
         return read_curve(self.out, OPD_CURVE_FILE)
 
     def point(self, step: int, drafter_dir: Path, *, drafter_flops: Optional[float], opd_flops: Optional[float]) -> dict:
         """Measure (or read back, on resume) the validation tau of ``drafter_dir`` as point ``step``."""
-        from specforge_opd.eval.validation import add_point
-        from specforge_opd.models.drafter import load_any_drafter
-
         done = next((p for p in self.curve() if p["step"] == step), None)
         # a point measured on another number of validation prompts is not comparable: measure again
         if done is not None and done["export"] == str(drafter_dir) and done.get("val_prompts") == len(self.prompt_ids):
@@ -99,9 +96,6 @@ def backfill_refreshes(validation, out: Path, iterations_done: int) -> None:
     Raises:
         PlanError: a finished refresh's export is missing.
     """
-    from specforge_opd.models.drafter import read_drafter_metadata
-    from specforge_opd.eval.flops import FlopsLedger
-
     for it in range(iterations_done):
         export = Path(out) / f"iter_{it:03d}" / "train" / "final"
         if not (export / "config.json").is_file():
@@ -119,8 +113,6 @@ def select_refresh(curve: list[dict], rule: str) -> dict:
     Raises:
         ValueError: no refresh point yet, or an unknown rule (``opd.select``).
     """
-    from specforge_opd.eval.validation import select
-
     try:
         return select([p for p in curve if p["step"] >= 1], rule)
     except ValueError as e:
@@ -134,8 +126,6 @@ def plot_opd_curve(curve: list[dict], path: Path, selected_step: Optional[int], 
     has one; its tau was measured on the SFT run's validation prompts, so the two curves
     share the FLOPs axis exactly and the tau axis up to the prompt sets.
     """
-    from specforge_opd.eval.validation import plot_curve
-
     sft_curve = ((start_meta or {}).get("validation") or {}).get("curve") or []
     refs = {"start's SFT (its own validation prompts)": sft_curve} if sft_curve else {}
     return plot_curve([p for p in curve if p.get("drafter_flops") is not None], path, selected_step, label="OPD",

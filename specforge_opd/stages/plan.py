@@ -15,6 +15,8 @@ from typing import Optional
 from specforge_opd.config import ExperimentConfig, bonus_teacher_missing
 from specforge_opd.data import assets
 from specforge_opd.errors import UserError
+from specforge_opd.models.drafter import DrafterError, drafter_shape, load_draft_config
+from specforge_opd.precision import resolve_sft
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -59,8 +61,6 @@ def with_start_shape(cfg: ExperimentConfig) -> ExperimentConfig:
     ``config.json`` (a SpecForge checkpoint) keeps the config's values: the loader reads it
     later, and the plan is an estimate.
     """
-    from specforge_opd.models.drafter import DrafterError, drafter_shape, load_draft_config
-
     if not cfg.draft.path:
         return cfg
     try:
@@ -367,8 +367,6 @@ def estimate_sft(cfg: ExperimentConfig, target_config, draft_config, num_prompts
     cluster config plans the cluster's run. ``precision`` in the result is
     ``training.mixed_precision`` resolved for that device (``precision.resolve_sft``).
     """
-    from specforge_opd.precision import resolve_sft
-
     plan_device = "cpu" if cfg.target.device == "cpu" else "cuda"
     precision = resolve_sft(cfg.training.mixed_precision, cfg.target.dtype, plan_device)
 

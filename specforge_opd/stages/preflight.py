@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Optional
 
 from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.data.prompts import HUB_SOURCES, KNOWN_SOURCES, PromptsError, checked_source_limits
+from specforge_opd.data.sources import hub_offline
 from specforge_opd.errors import DiskFullError, UserError, is_disk_full
+from specforge_opd.models.drafter import DrafterError, drafter_path, drafter_shape, load_any_drafter, shape_mismatch
+from specforge_opd.rollout.shards import REPAIR_ADVICE, ShardError, shard_meta, verify_shards
+from specforge_opd.run_fingerprint import FILE, check_config_unchanged
 from specforge_opd.stages.plan import _target_config
 
 
@@ -48,8 +53,6 @@ def check_prompt_sources(cfg: ExperimentConfig) -> None:
     Raises:
         PromptsError: as ``data.prompts.training_pool_with_stats`` would, but before any load.
     """
-    from specforge_opd.data.prompts import HUB_SOURCES, KNOWN_SOURCES, PromptsError, _hub_offline, checked_source_limits
-
     d = cfg.data
     checked_source_limits(d)
     bad = [s for s in d.slices if not 0 <= s < d.num_slices]
@@ -63,7 +66,7 @@ def check_prompt_sources(cfg: ExperimentConfig) -> None:
         local = d.local_files.get(name)
         if local and not Path(os.path.expanduser(local)).is_file():
             raise PromptsError(f"data.local_files.{name}: {local} does not exist; point it at a JSONL or Parquet file")
-        if name in HUB_SOURCES and not local and _hub_offline():
+        if name in HUB_SOURCES and not local and hub_offline():
             raise PromptsError(f"source `{name}` ({HUB_SOURCES[name].hub_id}) is hub-only and the hub is offline; "
                                f"download it and set data.local_files.{name}=/path/to/{name}.jsonl (JSONL or Parquet)")
 
@@ -79,8 +82,6 @@ def check_drafter(cfg: ExperimentConfig, path, *, field: str = "draft.path") -> 
         ConfigError: ``path`` is None (names ``field``).
         DrafterError: as ``models.drafter.load_any_drafter``; the message names the path.
     """
-    from specforge_opd.models.drafter import DrafterError, drafter_path, load_any_drafter
-
     if path is None:
         raise ConfigError(f"{field} is not set: pass the initial drafter (the SFT stage's export, a DFlash or "
                           f"SpecForge drafter directory, or published:NAME) with {field}=DIR or --drafter DIR")
@@ -108,8 +109,6 @@ def check_drafter_shape(cfg: ExperimentConfig, draft_config, *, field: str = "dr
     Raises:
         ConfigError: names each mismatched ``draft.*`` field, the drafter's value and the overrides that fix them.
     """
-    from specforge_opd.models.drafter import drafter_shape, shape_mismatch
-
     have = drafter_shape(draft_config)
     given = cfg.draft.model_fields_set
     want = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k in have
@@ -125,8 +124,6 @@ def check_shards(shard_dirs) -> None:
     Raises:
         ShardError: names the directory or the damaged file, with advice that works.
     """
-    from specforge_opd.rollout.shards import REPAIR_ADVICE, ShardError, shard_meta, verify_shards
-
     for d in shard_dirs:
         shard_meta(d)  # raises for a missing manifest or another schema
         bad = verify_shards(d)
@@ -165,8 +162,6 @@ def before_distill(cfg: ExperimentConfig, shard_dirs: list, drafter=None, *, res
     Raises:
         UserError: as ``check_before_target``; ConfigError: a changed config without ``allow_config_change``.
     """
-    from specforge_opd.run_fingerprint import FILE, check_config_unchanged
-
     check_before_target(cfg, drafter=drafter, prompts=False, shard_dirs=shard_dirs)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if not resume and rank0:

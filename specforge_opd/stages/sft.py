@@ -33,16 +33,21 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_json
 from specforge_opd.config import ConfigError, ExperimentConfig
-from specforge_opd.data.prompts import prompt_limit, tokenize_prompts
+from specforge_opd.data import assets
+from specforge_opd.data import prompts as prompts_mod
+from specforge_opd.data.prompts import PromptsError, held_out_prompts, prompt_limit, tokenize_prompts
 from specforge_opd.eval.flops import FlopsLedger, sft_flops
+from specforge_opd.eval.validation import ValidationSet, plateaued, read_curve
+from specforge_opd.models import target as target_mod
 from specforge_opd.models.draft_config import draft_config_dict, make_draft_config, resolve_mask_token_id
+from specforge_opd.models.drafter import METADATA_FILE, load_drafter, load_specforge_checkpoint, read_drafter_metadata, save_drafter
 from specforge_opd.models.export_check import verify_export
 from specforge_opd.models.target import target_dir
-from specforge_opd.precision import announce, machine_info
+from specforge_opd.precision import Precision, announce, machine_info
 from specforge_opd.rollout.responses import read_responses, run_responses
 from specforge_opd.stages.plan import estimate_sft
 from specforge_opd.stages.sft_features import (
@@ -67,10 +72,12 @@ from specforge_opd.stages.sft_train import (
     specforge_run_config,
 )
 from specforge_opd.stepkeys import (  # noqa: F401  (SFTError: the stage's error, raised by every step)
+    MARKER,
     SFTError,
     dir_bytes,
     donor_steps,
     hash_inputs,
+    is_done,
     keyed_step,
     read_marker_stats,
     reusable_step,
@@ -86,16 +93,6 @@ STEPS = ("responses", "features", "train", "export")
 # the stage
 
 
-@dataclass
-class SFTInputs:
-    """What ``run_sft`` works on; tests pass their own (tiny target, own prompts)."""
-
-    bundle_loader: Callable[[], Any]
-    target_path: str
-    prompts: Optional[Sequence] = None
-    timings: dict = field(default_factory=dict)
-
-
 def _say_skipped(step: str, skipped: int, total: int, cfg) -> None:
     """Say how many prompts ``tokenize_prompts`` dropped: the pool counts a prompt's own text, the
     limit applies to it rendered with the chat template, so a few more can fall over it."""
@@ -106,18 +103,14 @@ def _say_skipped(step: str, skipped: int, total: int, cfg) -> None:
 
 
 def _load_bundle(cfg: ExperimentConfig):
-    from specforge_opd.models.target import load_target
-
-    return load_target(cfg.target)
+    return target_mod.load_target(cfg.target)
 
 
 def _load_prompts(cfg: ExperimentConfig, tokenizer=None) -> list:
     """The ``data.num_prompts`` prompts SFT trains on: ``prompts.training_pool``, which with the
     target's ``tokenizer`` drops prompts over ``data.max_prompt_tokens`` before the cap, as the
     OPD stage's pool does (so the cap counts prompts that fit)."""
-    from specforge_opd.data.prompts import training_pool
-
-    return list(training_pool(cfg.data, tokenizer=tokenizer))
+    return list(prompts_mod.training_pool(cfg.data, tokenizer=tokenizer))
 
 
 def _load_val_prompts(cfg: ExperimentConfig, tokenizer=None) -> list:
@@ -127,8 +120,6 @@ def _load_val_prompts(cfg: ExperimentConfig, tokenizer=None) -> list:
     Raises:
         SFTError: ``data.num_prompts`` is unset (the whole pool trains), or the pool has no prompt left.
     """
-    from specforge_opd.data.prompts import PromptsError, held_out_prompts
-
     try:
         return held_out_prompts(cfg.data, cfg.sft.val_prompts, field="sft.val_prompts", tokenizer=tokenizer)
     except PromptsError as e:
@@ -175,9 +166,6 @@ def _reopen_if_rule_loosened(t_dir: Path, t_key: str, cfg: ExperimentConfig) -> 
     band, or 0 = off) takes the finished step up again from its last checkpoint, its
     curve kept. The rule that stopped it stays in force otherwise (the step stays done).
     """
-    from specforge_opd.eval.validation import plateaued, read_curve
-    from specforge_opd.stepkeys import MARKER, is_done
-
     if not is_done(t_dir, t_key):
         return
     stopped = read_marker_stats(t_dir).get("plateau_step")
@@ -242,66 +230,129 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
     out.mkdir(parents=True, exist_ok=True)
     precision = sft_precision(cfg)
     announce(precision, "sft")
-    tpath = target_path or target_dir(cfg)
-    timings: dict[str, float] = {}
-    skipped: list[str] = []
-    cache: dict[str, Any] = {"bundle": bundle}
+    stage = _start(cfg, out, precision, bundle, target_path or target_dir(cfg))
+    # the validation prompts are checked before any target work: a pool with none left after
+    # data.num_prompts must fail now, not after the responses and features steps
+    val_tok = _validation_prompts(cfg, val_prompts, stage.tokenizer)
+    resp = _responses_step(stage, prompts)
+    if budget_for is not None:
+        stage.cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=budget_for(read_responses(resp.dir)))})
+    feats = _features_step(stage, resp)
+    trained = _train_step(stage, resp, feats, val_tok)
+    final, verify = _export_step(stage, resp, feats, trained, len(val_tok))
+    _write_report(stage, final, verify, trained.stats, (resp.dir, feats.dir, trained.dir, final))
+    return final
 
-    def get_bundle():
-        if cache["bundle"] is None:
+
+@dataclass
+class _Stage:
+    """What the steps of one ``_run_sft`` share: ``cfg`` takes the ``sft`` fields ``budget_for`` returns once the
+    responses are in; ``skipped`` (steps found done) and ``timings`` (seconds per step) go into ``sft_report.json``."""
+
+    cfg: ExperimentConfig
+    out: Path
+    precision: Precision
+    tpath: str
+    tid: str
+    target_config: Any
+    tokenizer: Any
+    dcfg: Any
+    mask: int
+    layer_ids: list[int]
+    bundle: Any = None
+    skipped: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def target(self):
+        """The target bundle (``model``, ``tokenizer``, ``stop_token_ids``), loaded on the first call."""
+        if self.bundle is None:
             print("[sft] loading target", flush=True)
-            cache["bundle"] = _load_bundle(cfg)
-        return cache["bundle"]
+            self.bundle = _load_bundle(self.cfg)
+        return self.bundle
 
+
+class _Responses(NamedTuple):
+    tokenized: list  # [(sample id, prompt token ids)]
+    key: str
+    dir: Path
+
+
+class _Features(NamedTuple):
+    key: str
+    dir: Path
+    train_dir: Path  # the directory SpecForge reads: ``dir``, or its first ``sft.train_samples`` samples
+    samples: int
+
+
+class _Trained(NamedTuple):
+    key: str
+    dir: Path
+    stats: dict  # the train step's marker stats: checkpoint, step (and with validation: curve, selected, ...)
+
+
+def _start(cfg: ExperimentConfig, out: Path, precision, bundle, tpath: str) -> _Stage:
+    """The target's config and tokenizer (the ``bundle``'s, or read from ``tpath`` without weights) and the drafter
+    built for them. Raises ConfigError, DrafterError: no mask token, or ``sft.init_drafter`` of another shape."""
     from transformers import AutoConfig, AutoTokenizer
 
-    target_config = get_bundle().model.config if bundle is not None else AutoConfig.from_pretrained(tpath)
+    target_config = bundle.model.config if bundle is not None else AutoConfig.from_pretrained(tpath)
     tokenizer = bundle.tokenizer if bundle is not None else AutoTokenizer.from_pretrained(tpath)
     mask = resolve_mask_token_id(cfg, target_config, tokenizer)
     dcfg = make_draft_config(cfg, target_config, mask)
     if cfg.sft.init_drafter:
         check_init_shape(cfg, dcfg, target_config)
     layer_ids = [int(i) for i in dcfg.dflash_config["target_layer_ids"]]
-    tid = target_key(tpath)
+    return _Stage(cfg, out, precision, tpath, target_key(tpath), target_config, tokenizer, dcfg, mask, layer_ids,
+                  bundle=bundle)
 
-    # the validation prompts are checked before any target work: a pool with none left after
-    # data.num_prompts must fail now, not after the responses and features steps
-    val_tok: list = []
-    if cfg.sft.val_prompts:
-        val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg, tokenizer)
-        val_tok, val_long = tokenize_prompts(val_recs, tokenizer, cfg)
-        if not val_tok:
-            raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {prompt_limit(cfg)} tokens")
-        _say_skipped("sft validation", val_long, len(val_recs), cfg)
 
-    # -- responses
+def _validation_prompts(cfg: ExperimentConfig, val_prompts: Optional[Sequence], tokenizer) -> list:
+    """``sft.val_prompts`` tokenized as ``[(id, token ids)]`` ([] when 0): ``val_prompts`` or ``_load_val_prompts``.
+    Raises SFTError: as ``_load_val_prompts``, or every validation prompt is over the prompt limit."""
+    if not cfg.sft.val_prompts:
+        return []
+    val_recs = list(val_prompts) if val_prompts is not None else _load_val_prompts(cfg, tokenizer)
+    val_tok, val_long = tokenize_prompts(val_recs, tokenizer, cfg)
+    if not val_tok:
+        raise SFTError(f"sft.val_prompts: all {len(val_recs)} validation prompts are longer than {prompt_limit(cfg)} tokens")
+    _say_skipped("sft validation", val_long, len(val_recs), cfg)
+    return val_tok
+
+
+def _responses_step(stage: _Stage, prompts: Optional[Sequence]) -> _Responses:
+    """Step 1: the target's responses to ``prompts`` (default: ``_load_prompts``), in ``responses-<key>``.
+    Raises SFTError: the prompt pool is empty, or every prompt is over the prompt limit."""
     t0 = time.time()
-    records_in = list(prompts) if prompts is not None else _load_prompts(cfg, tokenizer)
+    cfg, out = stage.cfg, stage.out
+    records_in = list(prompts) if prompts is not None else _load_prompts(cfg, stage.tokenizer)
     if not records_in:
         raise SFTError("sft responses: the training prompt pool is empty (check data.train_sources and data.slices)")
-    tokenized, too_long = tokenize_prompts(records_in, tokenizer, cfg)
+    tokenized, too_long = tokenize_prompts(records_in, stage.tokenizer, cfg)
     if not tokenized:
         raise SFTError(f"sft responses: all {len(records_in)} prompts are longer than {prompt_limit(cfg)} tokens")
     _say_skipped("sft responses", too_long, len(records_in), cfg)
-    r_inputs = responses_inputs(cfg, tid, tokenized)
+    r_inputs = responses_inputs(cfg, stage.tid, tokenized)
     r_key = hash_inputs(r_inputs)
     r_dir = reusable_step(cfg, out, "responses", r_key)
     keyed_step("responses", r_dir, r_key, r_inputs,
-               lambda: dict(run_responses(r_dir, tokenized, get_bundle(), cfg,
+               lambda: dict(run_responses(r_dir, tokenized, stage.target(), cfg,
                                           donor_steps(cfg, out, "responses", r_inputs, vary=("prompts", "n"))),
-                            prompts_too_long_skipped=too_long), skipped)
-    timings["responses"] = time.time() - t0
-    if budget_for is not None:
-        cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=budget_for(read_responses(r_dir)))})
+                            prompts_too_long_skipped=too_long), stage.skipped)
+    stage.timings["responses"] = time.time() - t0
+    return _Responses(tokenized, r_key, r_dir)
 
-    # -- features
+
+def _features_step(stage: _Stage, resp: _Responses) -> _Features:
+    """Step 2: the target's features over each prompt + response, in ``features-<key>`` (with ``sft.train_samples``,
+    trained on its first N). Raises SFTError: no sample has enough supervised tokens, or too few for N."""
     t0 = time.time()
-    f_inputs = features_inputs(cfg, r_key, tid, layer_ids)
+    cfg, out = stage.cfg, stage.out
+    f_inputs = features_inputs(cfg, resp.key, stage.tid, stage.layer_ids)
     f_key = hash_inputs(f_inputs)
     f_dir = reusable_step(cfg, out, "features", f_key)
     keyed_step("features", f_dir, f_key, f_inputs,
-               lambda: run_features(f_dir, read_responses(r_dir), lambda: get_bundle().model, layer_ids, cfg,
-                                    donor_steps(cfg, out, "features", f_inputs, vary=("responses",))), skipped)
+               lambda: run_features(f_dir, read_responses(resp.dir), lambda: stage.target().model, stage.layer_ids, cfg,
+                                    donor_steps(cfg, out, "features", f_inputs, vary=("responses",))), stage.skipped)
     n_samples = read_marker_stats(f_dir)["samples"]
     train_dir = f_dir
     if cfg.sft.train_samples is not None and cfg.sft.train_samples != n_samples:
@@ -309,84 +360,91 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
         train_dir = subset_features(f_dir, out / f"features-{f_key}-first{cfg.sft.train_samples}", cfg.sft.train_samples)
         n_samples = cfg.sft.train_samples
         print(f"[sft features] training on the first {n_samples} samples (sft.train_samples)", flush=True)
-    timings["features"] = time.time() - t0
+    stage.timings["features"] = time.time() - t0
+    return _Features(f_key, f_dir, train_dir, n_samples)
 
-    # -- train
+
+def _train_step(stage: _Stage, resp: _Responses, feats: _Features, val_tok: list) -> _Trained:
+    """Step 3: SpecForge's training in ``train-<key>`` (in validated segments with ``val_tok``), continued when
+    the plateau rule stopped it and today's would not. Raises SFTError: SpecForge fails, or a segment ends early."""
     t0 = time.time()
+    cfg = stage.cfg
     gpus = gpu_count() if on_gpu(cfg) else 0
-    dcfg_dict = draft_config_dict(dcfg)
-    t_inputs = {"features": f_key, "draft": dcfg_dict, "training": sft_training_inputs(cfg),
+    nodes = nodes_from_env()
+    t_inputs = {"features": feats.key, "draft": draft_config_dict(stage.dcfg), "training": sft_training_inputs(cfg),
                 "overrides": cfg.sft.specforge_overrides, "save_interval": cfg.sft.save_interval, "gpus": gpus,
                 "init_drafter": cfg.sft.init_drafter, "max_steps": cfg.sft.max_steps}
-    if train_dir != f_dir:
-        t_inputs["train_samples"] = n_samples
-    nodes = nodes_from_env()
+    if feats.train_dir != feats.dir:
+        t_inputs["train_samples"] = feats.samples
     if nodes.nnodes > 1:  # the step counts change with the ranks (one node keeps its earlier keys)
         t_inputs["nnodes"] = nodes.nnodes
     if val_tok:
         t_inputs["validation"] = {"prompts": hash_inputs({"p": val_tok}), "interval": cfg.sft.val_interval,
                                   "select": cfg.sft.select}
     t_key = hash_inputs(t_inputs)
-    t_dir = step_dir(out, "train", t_key)
-
-    def train() -> dict:
-        dfile = t_dir / "draft_config" / "config.json"
-        text = json.dumps(dcfg_dict, indent=2, sort_keys=True) + "\n"
-        # SpecForge's resume contract hashes this file: rewrite only when it changed.
-        if not dfile.is_file() or dfile.read_text() != text:
-            atomic_write_bytes(dfile, text.encode())
-        run = specforge_run_config(cfg, target_path=tpath, draft_config_file=dfile, features=train_dir,
-                                   out_dir=t_dir / "checkpoints", num_samples=n_samples, mask_token_id=mask, gpus=gpus,
-                                   nodes=nodes, init_dir=init_drafter_dir(cfg, t_dir, target_config))
-        if not val_tok:
-            return run_train(t_dir, run, cfg, gpus)
-        from specforge_opd.eval.validation import ValidationSet
-
-        b = get_bundle()
-        # eval.cache_dir, when set, shares the trajectories with other runs on the same prompts (keyed, so safe)
-        valset = ValidationSet(b.model, tid, [p for _, p in val_tok], max_new_tokens=cfg.sft.max_new_tokens,
-                               stop_token_ids=list(b.stop_token_ids),
-                               cache_dir=Path(cfg.resolve_path(cfg.eval.cache_dir)) if cfg.eval.cache_dir
-                               else out / "val_trajectories")
-        responses = read_responses(r_dir)
-        init = (FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops"))
-                if cfg.sft.init_drafter else FlopsLedger())
-
-        def flops_at(step: int) -> FlopsLedger:
-            here = sft_flops(cfg, dcfg, target_config, responses, steps=step,
-                             **_made_here(r_dir, f_dir, out))
-            return init.add(here)
-
-        # segment ends count the steps of every rank on every node
-        return run_train_validated(t_dir, run, cfg, gpus * nodes.nnodes, num_samples=n_samples, valset=valset, target_config=target_config,
-                                   flops_at=flops_at, tensorboard_dir=out / "tensorboard" if cfg.output.tensorboard else None,
-                                   plot_path=out / "sft_curve.png")
-
-    from specforge_opd.models.drafter import (
-        METADATA_FILE,
-        load_specforge_checkpoint,
-        read_drafter_metadata,
-        save_drafter,
-    )
-
+    t_dir = step_dir(stage.out, "train", t_key)
     _reopen_if_rule_loosened(t_dir, t_key, cfg)
-    train_stats = keyed_step("train", t_dir, t_key, t_inputs, train, skipped)
-    ckpt = Path(train_stats["checkpoint"])
-    chosen = train_stats.get("selected")
-    timings["train"] = time.time() - t0
+    stats = keyed_step("train", t_dir, t_key, t_inputs,
+                       lambda: _train(stage, t_dir, resp, feats, val_tok, gpus, nodes), stage.skipped)
+    stage.timings["train"] = time.time() - t0
+    return _Trained(t_key, t_dir, stats)
 
-    # -- export
+
+def _train(stage: _Stage, t_dir: Path, resp: _Responses, feats: _Features, val_tok: list, gpus: int, nodes) -> dict:
+    """The train step's work: the draft config file, SpecForge's run config and ``run_train``, or with
+    ``val_tok`` ``run_train_validated`` (its curve's points carry the drafter's cumulative FLOPs)."""
+    cfg, out = stage.cfg, stage.out
+    dfile = t_dir / "draft_config" / "config.json"
+    text = json.dumps(draft_config_dict(stage.dcfg), indent=2, sort_keys=True) + "\n"
+    # SpecForge's resume contract hashes this file: rewrite only when it changed.
+    if not dfile.is_file() or dfile.read_text() != text:
+        atomic_write_bytes(dfile, text.encode())
+    run = specforge_run_config(cfg, target_path=stage.tpath, draft_config_file=dfile, features=feats.train_dir,
+                               out_dir=t_dir / "checkpoints", num_samples=feats.samples, mask_token_id=stage.mask,
+                               gpus=gpus, nodes=nodes, init_dir=init_drafter_dir(cfg, t_dir, stage.target_config))
+    if not val_tok:
+        return run_train(t_dir, run, cfg, gpus)
+    b = stage.target()
+    # eval.cache_dir, when set, shares the trajectories with other runs on the same prompts (keyed, so safe)
+    valset = ValidationSet(b.model, stage.tid, [p for _, p in val_tok], max_new_tokens=cfg.sft.max_new_tokens,
+                           stop_token_ids=list(b.stop_token_ids),
+                           cache_dir=Path(cfg.resolve_path(cfg.eval.cache_dir)) if cfg.eval.cache_dir
+                           else out / "val_trajectories")
+    responses = read_responses(resp.dir)
+    init = _start_flops(cfg) if cfg.sft.init_drafter else FlopsLedger()
+
+    def flops_at(step: int) -> FlopsLedger:
+        here = sft_flops(cfg, stage.dcfg, stage.target_config, responses, steps=step,
+                         **_made_here(resp.dir, feats.dir, out))
+        return init.add(here)
+
+    # segment ends count the steps of every rank on every node
+    return run_train_validated(t_dir, run, cfg, gpus * nodes.nnodes, num_samples=feats.samples, valset=valset,
+                               target_config=stage.target_config, flops_at=flops_at,
+                               tensorboard_dir=out / "tensorboard" if cfg.output.tensorboard else None,
+                               plot_path=out / "sft_curve.png")
+
+
+def _start_flops(cfg: ExperimentConfig) -> FlopsLedger:
+    """The FLOPs ledger ``sft.init_drafter`` records (its training history), which this run's adds to."""
+    return FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops"))
+
+
+def _export_step(stage: _Stage, resp: _Responses, feats: _Features, trained: _Trained, n_val: int) -> tuple[Path, dict]:
+    """Step 4: ``<output.dir>/final`` and the export check's record, unless it holds this train step's (selected)
+    checkpoint already. Raises SFTError, DrafterError: the export fails its check or does not load back."""
     t0 = time.time()
-
-    final = out / "final"
+    cfg, stats = stage.cfg, trained.stats
+    chosen = stats.get("selected")
+    final = stage.out / "final"
     meta = read_drafter_metadata(final) if final.is_dir() else {}
     validation = None if chosen is None else {
         "select": cfg.sft.select, "selected_step": int(chosen["step"]), "selected_tau": chosen["tau"],
-        "curve": train_stats["curve"], "val_prompts": len(val_tok), "plateau_step": train_stats.get("plateau_step"),
-        "paused_at": train_stats.get("paused_at")}
-    if (meta.get("sft_key") == t_key and meta.get("verify") is not None
+        "curve": stats["curve"], "val_prompts": n_val, "plateau_step": stats.get("plateau_step"),
+        "paused_at": stats.get("paused_at")}
+    if (meta.get("sft_key") == trained.key and meta.get("verify") is not None
             and (chosen is None or meta.get("step") == chosen["step"])):
-        skipped.append("export")
+        stage.skipped.append("export")
         verify = meta["verify"]
         # the same weights, but the curve may have grown since (a continued run that stopped on a plateau
         # or at another pause): the export's record says where the run stands now
@@ -397,50 +455,60 @@ def _run_sft(cfg: ExperimentConfig, *, bundle=None, prompts: Optional[Sequence] 
         else:
             print(f"[sft export] done already: {final}", flush=True)
     else:
-        if chosen is not None:  # the validated checkpoint, exported before SpecForge could prune it
-            from specforge_opd.models.drafter import load_drafter
+        verify = _export(stage, final, resp, feats, trained, validation)
+    stage.timings["export"] = time.time() - t0
+    return final, verify
 
-            model = load_drafter(chosen["export"], target_config=target_config, target_dtype=cfg.target.dtype)
-            ckpt = Path(chosen["checkpoint"])
-        else:
-            model = load_specforge_checkpoint(ckpt, target_config)
-        b = get_bundle()
-        held = [p for _, p in tokenized[-cfg.sft.verify_prompts:]] if cfg.sft.verify_prompts else []
-        verify = verify_export(model, b.model, held, list(b.stop_token_ids), cfg.sft.verify_max_new_tokens)
-        if verify["prompts"]:
-            print(f"[sft export] speculative decode == greedy on {verify['prompts']} prompts; tau {verify['tau']:.3f}",
-                  flush=True)
-        else:
-            print("[sft export] lossless check skipped (sft.verify_prompts=0)", flush=True)
-        responses = read_responses(r_dir)
-        step = int(chosen["step"] if chosen is not None else train_stats["step"])
-        ledger = sft_flops(cfg, dcfg, target_config, responses, steps=step,
-                           **_made_here(r_dir, f_dir, out))
-        if cfg.sft.init_drafter:
-            ledger = FlopsLedger.from_dict(read_drafter_metadata(cfg.resolve_path(cfg.sft.init_drafter)).get("flops")).add(ledger)
-        save_drafter(model, final, metadata={"stage": "sft", "sft_key": t_key, "specforge_checkpoint": str(ckpt),
-                                             "target": tpath, "target_identity": tid, "target_dtype": cfg.target.dtype,
-                                             "samples": n_samples,
-                                             "step": step, "verify": verify,
-                                             "init_drafter": cfg.sft.init_drafter, "flops": ledger.to_dict(),
-                                             "validation": validation, "precision": precision.record(),
-                                             "recipe": sft_recipe(cfg),
-                                             "machine": machine_info()},
-                     dtype=cfg.target.dtype)
-        from specforge_opd.models.drafter import load_drafter
 
-        load_drafter(final, target_config=target_config, target_dtype=cfg.target.dtype)  # the export must load back through the public loader
-    timings["export"] = time.time() - t0
+def _export(stage: _Stage, final: Path, resp: _Responses, feats: _Features, trained: _Trained,
+            validation: Optional[dict]) -> dict:
+    """Export the trained drafter (the selected curve point with validation) to ``final`` with its metadata, after
+    checking it against greedy decoding on the last ``sft.verify_prompts`` training prompts; returns that check."""
+    cfg, stats, target_config = stage.cfg, trained.stats, stage.target_config
+    chosen = stats.get("selected")
+    ckpt = Path(stats["checkpoint"])
+    if chosen is not None:  # the validated checkpoint, exported before SpecForge could prune it
+        model = load_drafter(chosen["export"], target_config=target_config, target_dtype=cfg.target.dtype)
+        ckpt = Path(chosen["checkpoint"])
+    else:
+        model = load_specforge_checkpoint(ckpt, target_config)
+    b = stage.target()
+    held = [p for _, p in resp.tokenized[-cfg.sft.verify_prompts:]] if cfg.sft.verify_prompts else []
+    verify = verify_export(model, b.model, held, list(b.stop_token_ids), cfg.sft.verify_max_new_tokens)
+    if verify["prompts"]:
+        print(f"[sft export] speculative decode == greedy on {verify['prompts']} prompts; tau {verify['tau']:.3f}",
+              flush=True)
+    else:
+        print("[sft export] lossless check skipped (sft.verify_prompts=0)", flush=True)
+    step = int(chosen["step"] if chosen is not None else stats["step"])
+    ledger = sft_flops(cfg, stage.dcfg, target_config, read_responses(resp.dir), steps=step,
+                       **_made_here(resp.dir, feats.dir, stage.out))
+    if cfg.sft.init_drafter:
+        ledger = _start_flops(cfg).add(ledger)
+    save_drafter(model, final, metadata={"stage": "sft", "sft_key": trained.key, "specforge_checkpoint": str(ckpt),
+                                         "target": stage.tpath, "target_identity": stage.tid,
+                                         "target_dtype": cfg.target.dtype, "samples": feats.samples, "step": step,
+                                         "verify": verify, "init_drafter": cfg.sft.init_drafter,
+                                         "flops": ledger.to_dict(), "validation": validation,
+                                         "precision": stage.precision.record(), "recipe": sft_recipe(cfg),
+                                         "machine": machine_info()},
+                 dtype=cfg.target.dtype)
+    load_drafter(final, target_config=target_config, target_dtype=cfg.target.dtype)  # the export must load back through the public loader
+    return verify
 
-    report = {"final": str(final), "precision": precision.record(), "machine": machine_info(),
-              "timings_s": timings, "skipped": skipped, "verify": verify,
+
+def _write_report(stage: _Stage, final: Path, verify: dict, train_stats: dict, step_dirs: Sequence[Path]) -> None:
+    """``<output.dir>/sft_report.json``: wall time per step, the steps skipped, the export check, the selected
+    validation point and the disk each step's directory (and the whole run) uses."""
+    chosen = train_stats.get("selected")
+    report = {"final": str(final), "precision": stage.precision.record(), "machine": machine_info(),
+              "timings_s": stage.timings, "skipped": stage.skipped, "verify": verify,
               "validation": None if chosen is None else {"selected": chosen, "curve": train_stats["curve"]},
-              "disk_bytes": {d.name: dir_bytes(d) for d in (r_dir, f_dir, t_dir, final)}}
-    report["disk_bytes"]["total"] = dir_bytes(out)
-    atomic_write_json(out / "sft_report.json", report)
-    print(f"[sft] done: {final} | " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items())
+              "disk_bytes": {d.name: dir_bytes(d) for d in step_dirs}}
+    report["disk_bytes"]["total"] = dir_bytes(stage.out)
+    atomic_write_json(stage.out / "sft_report.json", report)
+    print(f"[sft] done: {final} | " + ", ".join(f"{k} {v:.1f}s" for k, v in stage.timings.items())
           + f" | disk {report['disk_bytes']['total'] / 2**20:.1f} MiB", flush=True)
-    return final
 
 
 # ---------------------------------------------------------------------------
@@ -457,8 +525,6 @@ def _plan_target_config(cfg: ExperimentConfig):
             return AutoConfig.from_pretrained(str(p)), str(p)
         m = re.search(r"qwen3-(\d+b(?:-a\d+b)?)", cfg.target.path.lower())
         if m:
-            from specforge_opd.data import assets
-
             fx = assets.qwen3_fixture_dir(m.group(1))
             if not (fx / "config.json").is_file():
                 raise ConfigError(f"dry run of target.path={cfg.target.path!r} needs the Qwen3 config fixture "

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from specforge_opd.atomic import atomic_link, atomic_write, atomic_write_json
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.precision import Precision, resolve_sft
 from specforge_opd.progress import progress_bar
+from specforge_opd.rollout.decode import TargetRunner, capture
+from specforge_opd.rollout.engine import length_batches
 from specforge_opd.rollout.responses import ResponseRecord
 from specforge_opd.stepkeys import SFTError
-
-if TYPE_CHECKING:
-    from specforge_opd.precision import Precision
 
 #: Feature files per ``rows_*`` directory (keeps directories listable at 100K samples).
 ROWS_PER_DIR = 1000
@@ -52,14 +52,12 @@ def supervised_tokens(rec: ResponseRecord, max_context: int) -> int:
     return max(0, min(len(rec.prompt_ids) + len(rec.response_ids), max_context) - len(rec.prompt_ids))
 
 
-def sft_precision(cfg: ExperimentConfig) -> "Precision":
+def sft_precision(cfg: ExperimentConfig) -> Precision:
     """``training.mixed_precision`` resolved for the SFT stage on this machine (``precision.resolve_sft``).
 
     ``auto``: ``target.dtype`` on a GPU; on a CPU bf16 only where the CPU computes bf16
     natively (AVX512-BF16/AMX), fp32 otherwise.
     """
-    from specforge_opd.precision import resolve_sft
-
     return resolve_sft(cfg.training.mixed_precision, cfg.target.dtype, cfg.target.device)
 
 
@@ -156,9 +154,6 @@ def run_features(d: Path, records: list[ResponseRecord], get_model: Callable, la
             "(empty responses or prompts filling target.max_context); check the chat template, "
             "sft.max_new_tokens and target.max_context"
         )
-    from specforge_opd.rollout.decode import TargetRunner, capture
-    from specforge_opd.rollout.engine import length_batches
-
     sup = sum(supervised_tokens(records[i], cfg.target.max_context) for i in kept)
     todo = [(j, i) for j, i in enumerate(kept) if not feature_path(d, j).is_file()]
     if donors:

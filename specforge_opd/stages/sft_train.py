@@ -25,7 +25,18 @@ from pathlib import Path
 from typing import Optional
 
 from specforge_opd.atomic import atomic_write_bytes, atomic_write_json
-from specforge_opd.config import ConfigError, ExperimentConfig
+from specforge_opd.config import ConfigError, ExperimentConfig, apply_override
+from specforge_opd.eval.validation import add_point, plateaued, plot_curve, read_curve, segment_ends, select
+from specforge_opd.models.adapter import specforge_checkpoint_layout, specforge_cli_module, specforge_run_config_class
+from specforge_opd.models.drafter import (
+    drafter_path,
+    drafter_shape,
+    load_drafter,
+    load_specforge_checkpoint,
+    save_drafter,
+    shape_mismatch,
+)
+from specforge_opd.precision import uses_cuda
 from specforge_opd.stages.sft_features import drafter_dtype, sft_precision
 from specforge_opd.stepkeys import SFTError
 
@@ -83,8 +94,6 @@ def nodes_from_env(env: Optional[dict] = None) -> Nodes:
 def specforge_train_module(lm_head_recompute: bool = True) -> str:
     """The module that runs ``<module> train -c run.yaml``: SpecForge's CLI, or with ``lm_head_recompute``
     False the same CLI through ``models.specforge_train`` (the lm_head objective not recomputed)."""
-    from specforge_opd.models.adapter import specforge_cli_module
-
     return specforge_cli_module() if lm_head_recompute else "specforge_opd.models.specforge_train"
 
 
@@ -208,8 +217,6 @@ def sft_lm_head_recompute(cfg: ExperimentConfig) -> bool:
 
 def on_gpu(cfg: ExperimentConfig) -> bool:
     """Whether the SFT stage trains on GPUs: ``target.device`` ``auto`` with CUDA available, or ``cuda*``."""
-    from specforge_opd.precision import uses_cuda
-
     return uses_cuda(cfg.target.device)
 
 
@@ -246,8 +253,6 @@ def init_drafter_dir(cfg: ExperimentConfig, t_dir: Path, target_config) -> Optio
     """
     if not cfg.sft.init_drafter:
         return None
-    from specforge_opd.models.drafter import drafter_path, load_drafter, save_drafter
-
     src = drafter_path(cfg.resolve_path(cfg.sft.init_drafter))
     if src.is_dir() and (src / "config.json").is_file():
         return src
@@ -270,8 +275,6 @@ def check_init_shape(cfg: ExperimentConfig, draft_config, target_config) -> None
         ConfigError: names each mismatched ``draft.*`` field and the overrides that fix them.
         DrafterError: as ``models.drafter.load_drafter``.
     """
-    from specforge_opd.models.drafter import drafter_path, drafter_shape, load_drafter, shape_mismatch
-
     start = load_drafter(drafter_path(cfg.resolve_path(cfg.sft.init_drafter)), target_config=target_config)
     bad = shape_mismatch(drafter_shape(draft_config), drafter_shape(start))
     if bad:
@@ -351,8 +354,6 @@ def specforge_run_config(cfg: ExperimentConfig, *, target_path: str, draft_confi
                                                 master_port=nodes.master_port)
     if cfg.output.tensorboard and gpus > 0:
         run["tracking"] = {"report_to": "tensorboard"}
-    from specforge_opd.config import apply_override
-
     for k, v in cfg.sft.specforge_overrides.items():
         apply_override(run, k, v)
     return run
@@ -364,8 +365,6 @@ def validate_specforge_run(run: dict) -> None:
     Raises:
         ConfigError: SpecForge rejects it (e.g. a bad ``sft.specforge_overrides`` key).
     """
-    from specforge_opd.models.adapter import specforge_run_config_class
-
     try:
         specforge_run_config_class().model_validate(run)
     except Exception as e:  # pydantic ValidationError or SpecForge's ValueError
@@ -374,8 +373,6 @@ def validate_specforge_run(run: dict) -> None:
 
 def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
     """SpecForge's newest complete step directory under ``ckpt_root``, or None."""
-    from specforge_opd.models.adapter import specforge_checkpoint_layout
-
     state_file, resolve = specforge_checkpoint_layout()
     if not ckpt_root.is_dir() or not any(ckpt_root.glob(f"{SPECFORGE_RUN_ID}-step*")):
         return None
@@ -442,9 +439,6 @@ def run_train_validated(d: Path, run: dict, cfg: ExperimentConfig, gpus: int, *,
     Raises:
         SFTError: a segment ended at another step than planned.
     """
-    from specforge_opd.eval.validation import add_point, plateaued, plot_curve, read_curve, segment_ends, select
-    from specforge_opd.models.drafter import load_specforge_checkpoint, save_drafter
-
     steps_per_epoch, _, total = sft_steps(cfg, num_samples, gpus)
     ends = segment_ends(total, cfg.sft.val_interval or steps_per_epoch)
     curve = read_curve(d)
