@@ -200,18 +200,16 @@ def test_the_published_registry_imports_only_the_stdlib():
 #: A ratchet toward the layers the README's design section describes: each refactoring step lowers these
 #: numbers (never raises them), and the goals are at most 10% function-level imports, no cycle, no module over
 #: 600 lines and no function over 120.
-FUNCTION_LEVEL_CAP = 109
+FUNCTION_LEVEL_CAP = 105
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES: list[set[str]] = []
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 #: module -> its line count today: it may shrink, not grow
-OVERSIZE_MODULES = {"models.drafter": 640, "rollout.step": 1004, "stages.opd": 637,
-                    "train.trainer": 709}
+OVERSIZE_MODULES = {"models.drafter": 640, "rollout.step": 1004, "stages.opd": 606}
 #: (module, function) -> its line count today (docstring and nested definitions included)
-LONG_FUNCTIONS = {("stages.opd", "run_opd"): 274, ("train.trainer", "distill"): 253,
-                  ("stages.sft", "_run_sft"): 222, ("rollout.step", "speculate"): 161,
-                  ("train.replay", "recompute_from_target"): 146}
+LONG_FUNCTIONS = {("stages.opd", "run_opd"): 272, ("stages.sft", "_run_sft"): 222,
+                  ("rollout.step", "speculate"): 161}
 
 
 def _is_module(dotted: str) -> bool:
