@@ -17,6 +17,7 @@ from specforge_opd.models.drafter import drafter_layer_ids  # noqa: E402
 from specforge_opd.train.trainer import distill  # noqa: E402
 
 from conftest import make_tiny_drafter, make_tiny_target  # noqa: E402
+from fault_hooks import FaultHooks  # noqa: E402
 from opd_helpers import make_records  # noqa: E402
 
 NUM_RECORDS = 5  # with a global batch of 4 the second step is short: rank padding is exercised
@@ -47,7 +48,8 @@ def main() -> None:
         cfg = load_config(None, [f"training.batch_size={bs}", f"training.accumulation_steps={acc}", "training.shuffle=false",
                                  "training.chunk_slots=7", "output.tensorboard=false", f"output.dir={run}"]
                           + ([f"training.max_blocks_per_forward={groups}"] if groups else []))
-        distill(cfg, drafter_init=drafter, out_dir=run, target=target, records=records, progress=False, on_gradients=grab)
+        distill(cfg, drafter_init=drafter, out_dir=run, target=target, records=records, progress=False,
+                hooks=FaultHooks(gradients=grab))
         if rank == 0:
             from safetensors.torch import save_file
 

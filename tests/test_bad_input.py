@@ -322,14 +322,14 @@ def test_auto_fields_are_compared_as_resolved(tmp_path, monkeypatch):
 
 
 def test_opd_resume_with_changed_config_is_refused_and_keeps_the_run(tmp_path, capsys):
+    from fault_hooks import FaultHooks, InjectedFault
     from test_opd import _setup
 
     from specforge_opd.stages.opd import run_opd
-    from specforge_opd.train.trainer import InjectedFault
 
     cfg, bundle, prompts = _setup(tmp_path, "run")
     with pytest.raises(InjectedFault):
-        run_opd(cfg, target=bundle, prompts=prompts, fault="rollout:1")
+        run_opd(cfg, target=bundle, prompts=prompts, hooks=FaultHooks(after_shards=1))
     out = tmp_path / "run"
     before = _snapshot(out)
     changed = load_config(None, [f"{k}={v}" for k, v in [("output.dir", out), ("draft.path", cfg.draft.path)]] + [
@@ -343,7 +343,7 @@ def test_opd_resume_with_changed_config_is_refused_and_keeps_the_run(tmp_path, c
     shard = out / "spool" / "iter_000" / "shard-00000.safetensors"
     _flip(shard)
     with pytest.raises(InjectedFault):
-        run_opd(cfg, target=bundle, prompts=prompts, fault="train:1")
+        run_opd(cfg, target=bundle, prompts=prompts, hooks=FaultHooks(after_steps=1))
     assert "shard-00000.safetensors: checksum mismatch" in capsys.readouterr().err
     assert (shard.parent / "shard-00000.safetensors.bad-checksum").is_file()
     assert len(list(read_shards(shard.parent))) == 4

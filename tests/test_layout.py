@@ -203,16 +203,15 @@ def test_the_published_registry_imports_only_the_stdlib():
 #: 600 lines and no function over 120.
 #: ``cli``'s own imports are not counted: its verb functions import the modules they run inside the function, so
 #: ``--help`` and ``config`` stay torch-free (``test_help_and_config_do_not_load_torch``).
-FUNCTION_LEVEL_CAP = 47
+FUNCTION_LEVEL_CAP = 43
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES: list[set[str]] = []
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 #: module -> its line count today: it may shrink, not grow
-OVERSIZE_MODULES = {"train.trainer": 686}
+OVERSIZE_MODULES: dict[str, int] = {}
 #: (module, function) -> its line count today (docstring and nested definitions included)
-LONG_FUNCTIONS = {("stages.opd", "run_opd"): 274, ("train.trainer", "distill"): 253,
-                  ("train.replay", "recompute_from_target"): 146}
+LONG_FUNCTIONS = {("stages.opd", "run_opd"): 272}
 
 
 def _is_module(dotted: str) -> bool:

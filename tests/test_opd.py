@@ -9,9 +9,9 @@ import torch
 from specforge_opd.config import load_config
 from specforge_opd.models.drafter import load_drafter, save_drafter
 from specforge_opd.models.target import TargetBundle
-from specforge_opd.train.trainer import InjectedFault
 
 from conftest import make_tiny_drafter, make_tiny_target
+from fault_hooks import FaultHooks, InjectedFault
 
 
 def _setup(tmp_path, name):
@@ -64,10 +64,10 @@ def test_opd_loop_and_resume(tmp_path, capsys):
     # killed in the rollout phase (after one batch), then in the training phase (after one step)
     cfg2, bundle2, _ = _setup(tmp_path, "killed")
     with pytest.raises(InjectedFault):
-        run_opd(cfg2, target=bundle2, prompts=prompts, fault="rollout:1")
+        run_opd(cfg2, target=bundle2, prompts=prompts, hooks=FaultHooks(after_shards=1))
     assert (tmp_path / "killed" / "spool" / "iter_000" / "manifest.json").is_file()
     with pytest.raises(InjectedFault):
-        run_opd(cfg2, target=bundle2, prompts=prompts, fault="train:1")
+        run_opd(cfg2, target=bundle2, prompts=prompts, hooks=FaultHooks(after_steps=1))
     capsys.readouterr()
     final2 = run_opd(cfg2, target=bundle2, prompts=prompts)
     assert "resuming at iteration" in capsys.readouterr().err

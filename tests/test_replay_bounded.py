@@ -222,6 +222,7 @@ def test_distill_in_groups_equals_one_forward(tmp_path, source):
     from specforge_opd.config import load_config
     from specforge_opd.train.trainer import distill
 
+    from fault_hooks import FaultHooks
     from opd_helpers import make_records
 
     target = make_tiny_target()
@@ -236,7 +237,7 @@ def test_distill_in_groups_equals_one_forward(tmp_path, source):
         cfg = load_config(None, [f"training.max_blocks_per_forward={G}", f"training.feature_source={source}", "training.batch_size=2",
                                  "output.tensorboard=false", f"output.dir={tmp_path / str(G)}"])
         distill(cfg, drafter_init=drafter, out_dir=tmp_path / str(G), target=target, records=records, progress=False,
-                on_gradients=lambda step, d: seen.append({k: p.grad.clone() for k, p in d.named_parameters()}))
+                hooks=FaultHooks(gradients=lambda step, d: seen.append({k: p.grad.clone() for k, p in d.named_parameters()})))
         grads[G] = seen
     assert len(grads[1]) == len(grads[512]) == 2
     for a, b in zip(grads[512], grads[1]):

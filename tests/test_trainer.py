@@ -9,9 +9,10 @@ from specforge_opd.config import load_config
 from specforge_opd.models.drafter import drafter_layer_ids, load_drafter
 from specforge_opd.rollout.records import Teacher
 from specforge_opd.train.replay import recompute_from_target
-from specforge_opd.train.trainer import BatchOrder, InjectedFault, NonFiniteError, distill
+from specforge_opd.train.trainer import BatchOrder, NonFiniteError, distill
 
 from conftest import make_tiny_drafter, make_tiny_target
+from fault_hooks import FaultHooks, InjectedFault
 from opd_helpers import make_records
 
 MASK = 96
@@ -95,7 +96,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, setup):
     # training.keep_checkpoints (default 2): older step directories are pruned
     assert sorted(d.name for d in (tmp_path / "a" / "checkpoints").glob("step-*")) == ["step-000004", "step-000006"]
     with pytest.raises(InjectedFault):
-        distill(_cfg(tmp_path / "b", **kw), drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=records, progress=False, fault_after_steps=3)
+        distill(_cfg(tmp_path / "b", **kw), drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=records, progress=False, hooks=FaultHooks(after_steps=3))
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step-000002"
     res = distill(_cfg(tmp_path / "b", **kw), drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=records, progress=False)
     assert res.steps_run == 4  # steps 3..6: the next batch after the checkpoint, none skipped
@@ -113,7 +114,7 @@ def test_resume_at_epoch_boundary_trains_the_next_epoch(tmp_path, setup):
     kw = dict(learning_rate=1e-3, num_epochs=2, batch_size=2, checkpoint_interval=3)
     full = distill(_cfg(tmp_path / "a", **kw), drafter_init=drafter, out_dir=tmp_path / "a", target=target, records=records, progress=False)
     with pytest.raises(InjectedFault):
-        distill(_cfg(tmp_path / "b", **kw), drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=records, progress=False, fault_after_steps=3)
+        distill(_cfg(tmp_path / "b", **kw), drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=records, progress=False, hooks=FaultHooks(after_steps=3))
     res = distill(_cfg(tmp_path / "b", **kw), drafter_init=drafter, out_dir=tmp_path / "b", target=target, records=records, progress=False)
     assert res.steps_run == 3 and not res.already_complete
     a, b = load_drafter(full.export_dir).state_dict(), load_drafter(res.export_dir).state_dict()
@@ -130,7 +131,7 @@ def test_resume_onto_other_data_is_refused(tmp_path, setup):
     target, drafter, records = setup
     kw = dict(num_epochs=1, batch_size=3, checkpoint_interval=1)
     with pytest.raises(InjectedFault):
-        distill(_cfg(tmp_path, **kw), drafter_init=drafter, out_dir=tmp_path, target=target, records=records, progress=False, fault_after_steps=1)
+        distill(_cfg(tmp_path, **kw), drafter_init=drafter, out_dir=tmp_path, target=target, records=records, progress=False, hooks=FaultHooks(after_steps=1))
     with pytest.raises(CheckpointError, match="other data"):
         distill(_cfg(tmp_path, **kw), drafter_init=drafter, out_dir=tmp_path, target=target, records=records[:5], progress=False)
 

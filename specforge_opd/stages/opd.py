@@ -59,6 +59,7 @@ from specforge_opd.stages.plan import (
     with_start_shape,
 )
 from specforge_opd.stepkeys import dir_bytes
+from specforge_opd.train.hooks import TrainHooks
 
 STATE_FILE = "opd_state.json"
 
@@ -176,12 +177,12 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
 
 
 def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], shard_dir: Path, meta: ShardMeta, drafter_step: int,
-                  drafter_dir: Optional[str] = None, fault_after_shards: Optional[int] = None) -> dict:
+                  drafter_dir: Optional[str] = None, hooks: Optional[TrainHooks] = None) -> dict:
     """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip sequences already written.
 
     The embedded backend rolls out every prompt left in one continuous batch of
     ``rollout.batch_size`` rows and writes shards of that many sequences in prompt order.
-    ``fault_after_shards`` (tests): raise ``InjectedFault`` once that many shards are written.
+    ``hooks.after_shard(n)`` (tests) is called after each shard written, ``n`` the shards written so far.
 
     ``rollout.backend`` sglang_verify / sglang_native go through ``sglang.rollout_backend``
     (native mode launches the server with ``drafter_dir``, this iteration's drafter).
@@ -218,10 +219,8 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
         bar.update(len(recs))
         bar.set_postfix(tau=f"{tau_of(written):.2f}", refresh=False)
         shards_now += 1
-        if fault_after_shards is not None and shards_now >= fault_after_shards:
-            from specforge_opd.train.trainer import InjectedFault
-
-            raise InjectedFault(f"injected fault in the rollout phase after {shards_now} shards")
+        if hooks is not None:
+            hooks.after_shard(shards_now)
 
     if todo:
         # shards of rollout.batch_size sequences, in prompt order
@@ -290,7 +289,7 @@ def _final_rollout(cfg, bundle, prompts, plan: OPDPlan, drafter_dir, spool_root:
 
 
 def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[str, list[int]]]] = None,
-            val_prompts: Optional[list[tuple[str, list[int]]]] = None, fault: Optional[str] = None,
+            val_prompts: Optional[list[tuple[str, list[int]]]] = None, hooks: Optional[TrainHooks] = None,
             allow_config_change: bool = False) -> Path:
     """Run (or resume) the whole OPD stage; returns the final drafter directory.
 
@@ -300,8 +299,8 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             with the target's chat template, as SFT capture and evaluation render them).
         val_prompts: the validation prompts (None: ``opd.val_prompts`` prompts of the pool
             after the rolled-out ones; ``stages.opd_validation``).
-        fault: tests only: ``"rollout:N"`` raises after N rollout shards of the first
-            iteration run now; ``"train:N"`` after N optimizer steps.
+        hooks: test and tooling callbacks (``train.hooks.TrainHooks``), passed to every
+            iteration's rollout phase (``after_shard``) and ``distill``; None: none.
         allow_config_change: resume although a field that changes the result differs from
             the run's start (``run_fingerprint``); the change is recorded.
     Raises:
@@ -429,8 +428,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         meta = _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step, it)
         rcfg = cfg.model_copy(deep=True)
         rcfg.rollout.seed = cfg.rollout.seed + it
-        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir,
-                           fault_after_shards=int(fault.split(":")[1]) if fault and fault.startswith("rollout:") else None)
+        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir, hooks=hooks)
         del engine, drafter
         healed = ro.pop("healed")
         if world > 1:
@@ -454,8 +452,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         t0 = time.perf_counter()
         res = distill(
             tcfg, shard_dirs, drafter_dir, it_dir / "train", target=bundle,
-            schedule=(it * plan.steps_per_iteration, plan.total_steps), carry_from=prev_ckpt,
-            fault_after_steps=int(fault.split(":")[1]) if fault and fault.startswith("train:") else None,
+            schedule=(it * plan.steps_per_iteration, plan.total_steps), carry_from=prev_ckpt, hooks=hooks,
         )
         train_seconds = time.perf_counter() - t0
         # -- 3. bookkeeping --------------------------------------------------

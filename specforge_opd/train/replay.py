@@ -309,12 +309,24 @@ def recompute_from_target(
     body = _decoder_body(target)
     device = next(target.parameters()).device
     ids = record.input_ids.to(device).long()
-    T, bs, M = ids.numel(), record.block_size, record.num_blocks
-    n, S = bs - 1, T - 1
+    cache = _new_cache(target.config)
+    feats = _prefill_features(target, body, cache, ids, layer_ids, record.block_size - 1, max_blocks_per_forward)
+    teacher = _verify_teacher(target, body, cache, ids, record, form=form, topk=topk,
+                              max_blocks_per_forward=max_blocks_per_forward, chunk_rows=chunk_rows)
+    return dataclasses.replace(record, features=feats, teacher=teacher)
+
+
+def _prefill_features(target, body, cache, ids: torch.Tensor, layer_ids: list[int], n: int,
+                      max_blocks_per_forward: int) -> torch.Tensor:
+    """Phase 1 of ``recompute_from_target``: the context rows 0..T-2 through ``body`` into ``cache``.
+
+    Runs in chunks of ``max_blocks_per_forward * n`` rows (``n`` = block size - 1).
+    Returns the features [T-1, len(layer_ids)*H] in the target's dtype, on ``ids``' device.
+    """
+    device = ids.device
+    S = ids.numel() - 1
     H = target.config.hidden_size
     n_layers = len(body.layers)
-    anchors = record.anchors.to(device).long()
-    drafts = record.drafts.to(device).long()
     dtype = next(body.parameters()).dtype
     feats = torch.empty(S, len(layer_ids) * H, dtype=dtype, device=device)
     rows = slice(0, 0)  # the prefill chunk the hooks write into
@@ -336,7 +348,6 @@ def recompute_from_target(
             last_cols.append(cols)
         else:
             handles.append(body.layers[k].register_forward_hook(capture(cols)))
-    cache = _new_cache(target.config)
     step_rows = max_blocks_per_forward * n
     try:
         for start in range(0, S, step_rows):
@@ -352,7 +363,23 @@ def recompute_from_target(
     finally:
         for h in handles:
             h.remove()
+    return feats
 
+
+def _verify_teacher(target, body, cache, ids: torch.Tensor, record: RolloutRecord, *, form: str, topk: int,
+                    max_blocks_per_forward: int, chunk_rows: int) -> Teacher:
+    """Phase 2 of ``recompute_from_target``: the verify blocks in groups over the prefilled ``cache``.
+
+    Returns the ``Teacher`` of ``form`` ([M, bs-1, ...] tensors on ``ids``' device); the
+    cache is cropped back to the context after each group.
+    """
+    device = ids.device
+    bs, M = record.block_size, record.num_blocks
+    n, S = bs - 1, ids.numel() - 1
+    H = target.config.hidden_size
+    anchors = record.anchors.to(device).long()
+    drafts = record.drafts.to(device).long()
+    dtype = next(body.parameters()).dtype
     hidden = torch.empty(M, n, H, dtype=dtype, device=device) if form == "full" else None
     draft_logprob = torch.empty(M, n, dtype=torch.float32, device=device) if form != "full" else None
     topk_ids = topk_logprobs = None
@@ -396,8 +423,7 @@ def recompute_from_target(
                 topk_ids.view(-1, vals.shape[-1])[flat] = idx
                 topk_logprobs.view(-1, vals.shape[-1])[flat] = vals
             del logp
-    teacher = Teacher(form, hidden=hidden, topk_ids=topk_ids, topk_logprobs=topk_logprobs, draft_logprob=draft_logprob)
-    return dataclasses.replace(record, features=feats, teacher=teacher)
+    return Teacher(form, hidden=hidden, topk_ids=topk_ids, topk_logprobs=topk_logprobs, draft_logprob=draft_logprob)
 
 
 def recompute_largest_tensor_bytes(
