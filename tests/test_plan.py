@@ -262,3 +262,13 @@ def test_plan_takes_the_start_drafters_shape_where_the_config_leaves_it(tmp_path
     given = with_start_shape(load_config(None, [f"draft.path={d}", "draft.num_hidden_layers=2"]))
     assert given.draft.block_size == 4 and given.draft.num_hidden_layers == 2
     assert with_start_shape(load_config(None, [])).draft.block_size == 16  # no start drafter: the config's own
+
+
+def test_backfill_refuses_a_finished_refresh_whose_export_is_missing(tmp_path):
+    """A refresh recorded as done whose export is gone is a user error naming the export (it was a NameError:
+    the module raised PlanError without importing it)."""
+    from specforge_opd.stages.opd_validation import backfill_refreshes
+    from specforge_opd.stages.plan import PlanError
+
+    with pytest.raises(PlanError, match="refresh 1 is recorded as done but its export is missing"):
+        backfill_refreshes(validation=None, out=tmp_path, iterations_done=1)
