@@ -39,13 +39,33 @@ import torch
 
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
+from specforge_opd.data.prompts import HUB_SOURCES, prompt_token_ids, training_pool_with_stats
 from specforge_opd.errors import DiskFullError, is_disk_full
 from specforge_opd.eval.flops import FlopsLedger, rollout_target_flops
+from specforge_opd.models import target as target_mod
+from specforge_opd.models.drafter import (
+    METADATA_FILE,
+    check_target_dtype,
+    drafter_layer_ids,
+    drafter_mask_token_id,
+    load_any_drafter,
+    read_drafter_metadata,
+    save_drafter,
+)
 from specforge_opd.progress import progress_bar
+from specforge_opd.rollout.engine import SpeculativeEngine
 from specforge_opd.rollout.records import accepted_histogram, tau_of
 from specforge_opd.rollout.shard_meta import ShardMeta
 from specforge_opd.run_fingerprint import check_config_unchanged
+from specforge_opd.sglang.sizing import plan_line
 from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also opd.write_report for callers)
+from specforge_opd.stages.opd_validation import (
+    OPD_CURVE_PLOT,
+    OPDValidation,
+    backfill_refreshes,
+    plot_opd_curve,
+    select_refresh,
+)
 from specforge_opd.stages.plan import (
     OPDPlan,
     PlanError,
@@ -60,6 +80,7 @@ from specforge_opd.stages.plan import (
 )
 from specforge_opd.stepkeys import dir_bytes
 from specforge_opd.train.hooks import TrainHooks
+from specforge_opd.train.trainer import distill
 
 STATE_FILE = "opd_state.json"
 
@@ -101,8 +122,6 @@ def _target_dims(cfg: ExperimentConfig) -> tuple[int, int, int]:
 
 
 def _pool(cfg: ExperimentConfig, tokenizer=None):
-    from specforge_opd.data.prompts import training_pool_with_stats
-
     return training_pool_with_stats(cfg.data, cache=cfg.target.cache_dir, tokenizer=tokenizer)
 
 
@@ -118,8 +137,6 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
     tconf = _target_config(cfg)
     cfg = with_start_shape(cfg)  # the start drafter's shape where the config leaves it unset
     hidden, n_target, n_captured = int(tconf.hidden_size), int(tconf.num_hidden_layers), captured_layers(cfg)
-    from specforge_opd.data.prompts import HUB_SOURCES
-
     remote = [s for s in cfg.data.train_sources if s in HUB_SOURCES and s not in cfg.data.local_files]
     if remote:
         # a dry run never reaches for the hub: plan from the configured counts
@@ -161,8 +178,6 @@ def dry_run(cfg: ExperimentConfig) -> OPDPlan:
               f"{gib(mem['recompute_kv_cache'])} + activations {gib(mem['recompute_activations'])} + mask "
               f"{gib(mem['recompute_mask'])} + lm_head chunk {gib(mem['recompute_lm_head'])}")
     if cfg.rollout.backend != "embedded":
-        from specforge_opd.sglang.sizing import plan_line
-
         # the server starts beside the trainer's drafter state (the target is offloaded while it runs)
         on_gpu = torch.cuda.is_available()
         total = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else 80.0
@@ -249,8 +264,6 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
 
 def _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step: int, it: int) -> ShardMeta:
     """The shard meta of iteration ``it``'s rollout (``shards`` module docstring)."""
-    from specforge_opd.models.drafter import drafter_layer_ids, drafter_mask_token_id
-
     return ShardMeta.of_rollout(cfg, target_identity=bundle.identity, drafter_identity=str(drafter_dir),
                                 drafter_step=drafter_step, block_size=int(drafter.block_size),
                                 target_layer_ids=drafter_layer_ids(drafter), mask_token_id=drafter_mask_token_id(drafter),
@@ -265,9 +278,6 @@ def _final_rollout(cfg, bundle, prompts, plan: OPDPlan, drafter_dir, spool_root:
     Returns:
         ``{"tau", "sequences", "drafter"}``.
     """
-    from specforge_opd.models.drafter import drafter_mask_token_id, load_any_drafter, read_drafter_metadata
-    from specforge_opd.rollout.engine import SpeculativeEngine
-
     drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
     step = int(read_drafter_metadata(drafter_dir).get("step", 0))
     mine = [(f"{prompts[i][0]}#g{j}", prompts[i][1]) for j, i in enumerate(iteration_prompt_indices(plan, 0, cfg.data.seed))]
@@ -308,23 +318,12 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         ConfigError: a resume with a changed config (``run_fingerprint.check_config_unchanged``).
         and whatever the rollout, shards and trainer raise on bad input.
     """
-    from specforge_opd.data.prompts import prompt_token_ids
-    from specforge_opd.models.drafter import (
-        check_target_dtype,
-        drafter_mask_token_id,
-        load_any_drafter,
-        read_drafter_metadata,
-    )
-    from specforge_opd.models.target import load_target
-    from specforge_opd.rollout.engine import SpeculativeEngine
-    from specforge_opd.train.trainer import distill
-
     cfg = bind_rank_device(cfg)
     rank, world = _rank_world()
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     check_config_unchanged(cfg, out, "opd", allow_change=allow_config_change, write=rank == 0)
-    bundle = target if target is not None else load_target(cfg.target)
+    bundle = target if target is not None else target_mod.load_target(cfg.target)  # through the module: tests patch it there
     tok = bundle.tokenizer
     if prompts is None:
         pool, pool_stats = _pool(cfg, tokenizer=tok)
@@ -371,8 +370,6 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     if state["iterations_done"] == 0 and rank == 0:
         # Any accepted checkpoint form (SpecForge step dir, exports, published DFlash) becomes
         # one HF directory, checked against the target once, before any rollout.
-        from specforge_opd.models.drafter import save_drafter
-
         src = state["drafter"]
         init = load_any_drafter(src, bundle.model.config, expected_mask_token_id=cfg.draft.mask_token_id,
                                 target_dtype=cfg.target.dtype)
@@ -404,8 +401,6 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
     tb = _tensorboard(cfg, out) if rank == 0 else None
     validation = None
     if cfg.opd.val_prompts and rank == 0:
-        from specforge_opd.stages.opd_validation import OPDValidation, backfill_refreshes
-
         validation = OPDValidation(cfg, bundle, out, prompts=val_prompts)
         # point 0: the start, so the curve shows what OPD adds to it
         validation.point(0, initial_drafter, drafter_flops=FlopsLedger.from_dict(initial_meta.get("flops")).drafter_budget,
@@ -532,8 +527,6 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             raise PlanError("no OPD iteration ran")
         chosen, record = state["drafter"], {}
         if validation is not None:
-            from specforge_opd.stages.opd_validation import OPD_CURVE_PLOT, plot_opd_curve, select_refresh
-
             curve = validation.curve()
             sel = select_refresh(curve, cfg.opd.select)
             chosen = sel["export"]
@@ -563,8 +556,6 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
 
 
 def _stamp_metadata(drafter_dir: Path, extra: dict) -> None:
-    from specforge_opd.models.drafter import METADATA_FILE
-
     p = Path(drafter_dir) / METADATA_FILE
     meta = json.loads(p.read_text()) if p.is_file() else {}
     meta.update(extra)
