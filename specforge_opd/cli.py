@@ -189,14 +189,13 @@ def distill_cmd(argv: list[str]) -> int:
 
 def rollout_cmd(argv: list[str]) -> int:
     """``specforge-opd rollout -c CFG [overrides] --out DIR``: one rollout pass over the prompt pool to shards."""
-    from specforge_opd.rollout import engine
-    from specforge_opd.stages import preflight
+    from specforge_opd.stages import preflight, rollout
 
     parser = experiment_parser("rollout", "one speculative rollout pass to shards")
     parser.add_argument("--drafter-step", type=int, default=0, help="optimizer step of the drafter (stored in shards)")
     args, cfg = parse_experiment(parser, argv)
     preflight.check_before_target(cfg)  # output dir, drafter, prompt sources: before the target loads
-    return engine.run_rollout(cfg, out_dir=cfg.output.dir, drafter_step=args.drafter_step)
+    return rollout.run_rollout(cfg, out_dir=cfg.output.dir, drafter_step=args.drafter_step)
 
 
 def sft_cmd(argv: list[str]) -> int:

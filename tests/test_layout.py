@@ -203,7 +203,7 @@ def test_the_published_registry_imports_only_the_stdlib():
 #: 600 lines and no function over 120.
 #: ``cli``'s own imports are not counted: its verb functions import the modules they run inside the function, so
 #: ``--help`` and ``config`` stay torch-free (``test_help_and_config_do_not_load_torch``).
-FUNCTION_LEVEL_CAP = 28
+FUNCTION_LEVEL_CAP = 4
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES: list[set[str]] = []
 MAX_MODULE_LINES = 600
@@ -372,10 +372,7 @@ LAYER_EXCEPTIONS = {
     ("train.trainer", "eval.flops"),
 }
 #: Edges against the order that the remaining refactoring steps remove: this list only shrinks.
-LAYER_DEBT = {
-    ("rollout.engine", "sglang.rollout_backend"), ("rollout.responses", "sglang.contract"),
-    ("rollout.responses", "sglang.launcher"), ("rollout.responses", "sglang.verify_client"),
-}
+LAYER_DEBT: set[tuple[str, str]] = set()
 
 
 def _layer(module: str) -> tuple[int, str]:

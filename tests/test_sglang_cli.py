@@ -7,10 +7,10 @@ import torch
 from specforge_opd.config import load_config
 from specforge_opd.models.drafter import drafter_layer_ids, save_drafter
 from specforge_opd.models.target import TargetBundle
-from specforge_opd.rollout.engine import run_rollout
 from specforge_opd.rollout.shards import read_shards
 from specforge_opd.sglang.contract import server_layer_ids
 from specforge_opd.sglang.speculate import Drafter
+from specforge_opd.stages.rollout import run_rollout
 from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
 
 from conftest import make_tiny_drafter, make_tiny_target

@@ -1,11 +1,11 @@
-"""SFT responses through SGLang (``responses.sglang_generate``): one request per prompt, bounded in flight, timeouts
+"""SFT responses through SGLang (``sglang.generate.sglang_generate``): one request per prompt, bounded in flight, timeouts
 that grow with the response length, against the stand-in's plain (greedy) generation."""
 
 from __future__ import annotations
 
 import pytest
 
-from specforge_opd.rollout.responses import sglang_generate
+from specforge_opd.sglang.generate import sglang_generate
 from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
 from specforge_opd.stages.sft import SFTError
 

@@ -181,7 +181,7 @@ def test_per_request_temperature_in_one_batch():
 
 
 def test_sampling_seed_only_in_deterministic_mode_and_the_client_says_so(caplog):
-    from specforge_opd.rollout.responses import sglang_generate
+    from specforge_opd.sglang.generate import sglang_generate
 
     target = make_tiny_target()
     kw = dict(max_new_tokens=6, stop_token_ids=[1], temperature=1.0, seed=3, timeout_s=30)

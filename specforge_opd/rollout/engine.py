@@ -15,8 +15,6 @@ re-verifies the finished records (``_random_anchors``).
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -24,10 +22,10 @@ import torch
 from specforge_opd.config import RolloutConfig
 from specforge_opd.errors import UserError
 from specforge_opd.models.adapter import create_dflash_sdpa_mask, extract_context_feature
+from specforge_opd.models.drafter import check_compatible
 from specforge_opd.progress import progress_bar
 from specforge_opd.rollout.decode import TargetRunner
 from specforge_opd.rollout.records import RolloutRecord, Teacher
-from specforge_opd.rollout.shard_meta import ShardMeta
 from specforge_opd.rollout.step import (
     COMPACT_BELOW,
     COMPACT_MIN_SLOTS,
@@ -216,8 +214,6 @@ class SpeculativeEngine:
         record_draft_logits: bool = False,
         prefill_chunk: int = 256,
     ):
-        from specforge_opd.models.drafter import check_compatible
-
         check_compatible(drafter.config, target_model.config, expected_mask_token_id=int(mask_token_id))
         if getattr(drafter, "sliding_window", None) is not None:
             raise RolloutError("drafters with sliding-window layers are not supported by the embedded rollout; use full_attention layers")
@@ -394,19 +390,6 @@ class SpeculativeEngine:
         return rec
 
 
-def generate_to_shards(engine: "SpeculativeEngine", prompts: list, writer, *, per: int, batch_size: int,
-                       drafter_step: int = 0, on_write: Optional[Callable[[list], None]] = None) -> None:
-    """Roll out ``prompts`` ([(sample_id, ids)]) in one continuous batch of ``batch_size`` rows into
-    ``writer`` (``shards.ShardWriter``) as shards of ``per`` sequences, in prompt order
-    (``shards.InOrderShards``); ``on_write`` sees each written shard's records."""
-    from specforge_opd.rollout.shards import InOrderShards
-
-    shards = InOrderShards(writer, [s for s, _ in prompts], per, skipped=lambda: engine.skipped, on_write=on_write)
-    engine.generate([p for _, p in prompts], [s for s, _ in prompts], drafter_step=drafter_step,
-                    batch_size=batch_size, on_record=shards.add)
-    shards.close()
-
-
 # ---------------------------------------------------------------------------
 # plain decoding (the lossless reference and the speedup baseline)
 
@@ -488,78 +471,3 @@ def autoregressive_generate(
                      compactions=target.compactions)
     return outs
 
-
-# ---------------------------------------------------------------------------
-# one rollout pass to shards (the job of the rollout verb)
-
-
-def run_rollout(cfg, out_dir, drafter_step: int = 0, prompts=None) -> int:
-    """Load target, drafter and prompts from ``cfg``, roll out every prompt, write shards to ``out_dir``.
-
-    A rerun into the same ``out_dir`` resumes: its shards are verified (a damaged one is
-    moved aside, ``shards.heal_shards``) and the sequences they hold are not rolled out again.
-
-    Raises:
-        RolloutError: no drafter path (draft.path) or a bad prompt.
-    """
-    from specforge_opd.models.drafter import drafter_mask_token_id, load_drafter
-    from specforge_opd.models.target import load_target
-    from specforge_opd.rollout.shards import ShardWriter
-
-    if cfg.draft.path is None:
-        raise RolloutError("draft.path is not set: pass the drafter to roll out with (draft.path=DIR)")
-    bundle = load_target(cfg.target)
-    drafter = load_drafter(cfg.resolve_path(cfg.draft.path), target_config=bundle.model.config, target_dtype=cfg.target.dtype)
-    drafter = drafter.to(next(bundle.model.parameters()).device)
-    mask = cfg.draft.mask_token_id if cfg.draft.mask_token_id is not None else drafter_mask_token_id(drafter)
-    stops = sorted(set(bundle.stop_token_ids) | set(cfg.target.stop_token_ids))
-    engine = SpeculativeEngine(
-        bundle.model, drafter, cfg.rollout, stop_token_ids=stops, mask_token_id=mask,
-        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
-    )
-    if prompts is None:
-        from specforge_opd.data.chat import render_prompt
-        from specforge_opd.data.prompts import training_pool
-
-        pool = training_pool(cfg.data, tokenizer=bundle.tokenizer)
-        prompts = []
-        for pr in pool:
-            text = render_prompt(bundle.tokenizer, pr.chat_messages(), thinking=cfg.target.thinking, system_prompt=cfg.target.system_prompt)
-            prompts.append((str(pr.id), bundle.tokenizer(text, add_special_tokens=False)["input_ids"]))
-    meta = ShardMeta.of_rollout(cfg, target_identity=bundle.identity, drafter_identity=str(cfg.draft.path),
-                                drafter_step=int(drafter_step), block_size=engine.block_size,
-                                target_layer_ids=engine.layer_ids, mask_token_id=mask)
-    writer = ShardWriter(out_dir, meta)
-    if cfg.rollout.backend != "embedded":
-        from specforge_opd.sglang.rollout_backend import sglang_rollout
-
-        n = sglang_rollout(cfg, bundle, drafter, prompts, writer, drafter_step=drafter_step,
-                           draft_path=str(cfg.resolve_path(cfg.draft.path)), out_dir=Path(out_dir))
-        print(f"rollout ({cfg.rollout.backend}): {n} sequences -> {out_dir}")
-        return 0
-    from specforge_opd.rollout.shards import written_sample_ids
-
-    # a rerun into the same directory resumes: sequences already in complete shards are kept
-    done = written_sample_ids(out_dir)
-    todo = [p for p in prompts if p[0] not in done]
-    if done:
-        print(f"rollout: resuming in {out_dir}: {len(prompts) - len(todo)} of {len(prompts)} sequences already written",
-              file=sys.stderr)
-    steps = toks = 0
-    bar = progress_bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo))
-
-    def on_write(recs):
-        nonlocal steps, toks
-        steps += sum(r.num_blocks for r in recs)
-        toks += sum(r.completion_tokens for r in recs)
-        bar.update(len(recs))
-
-    if todo:
-        generate_to_shards(engine, todo, writer, per=cfg.rollout.sequences_per_shard, batch_size=cfg.rollout.batch_size,
-                           drafter_step=drafter_step, on_write=on_write)
-    bar.close()
-    skipped = len(engine.skipped)
-    tau = toks / steps if steps else 0.0
-    print(f"rollout: {len(todo) - skipped} sequences, {toks} completion tokens, {steps} verify steps, tau={tau:.3f}, "
-          f"{skipped} skipped (too long) -> {out_dir}")
-    return 0

@@ -24,8 +24,15 @@ from typing import Iterable
 import torch
 
 from specforge_opd.config import ExperimentConfig, SGLangConfig
+from specforge_opd.models.drafter import drafter_layer_ids
+from specforge_opd.rollout.driver import OnWrite, Prompt
+from specforge_opd.rollout.shards import ShardWriter, written_sample_ids
+from specforge_opd.sglang.contract import server_layer_ids
 from specforge_opd.sglang.launcher import Endpoints, SGLangServer, check_extra_args, mode_env, rank_gpu_env, server_args
+from specforge_opd.sglang.native import native_rollout_async
 from specforge_opd.sglang.sizing import launch_mem_fraction, startup_timeout_for
+from specforge_opd.sglang.speculate import Drafter
+from specforge_opd.sglang.verify_client import check_verify_feature_size, check_verify_settings, verify_rollout_to_shards
 
 
 @contextlib.contextmanager
@@ -86,20 +93,43 @@ def tconf_of(model):
     return getattr(model.config, "text_config", model.config)
 
 
+class SGLangBackend:
+    """``rollout.backend: sglang_verify | sglang_native`` as a ``rollout.driver.RolloutBackend``.
+
+    Args:
+        cfg: the run's config (``rollout``, ``sglang``, ``target.dtype``, ``training.feature_source``).
+        bundle: the loaded ``TargetBundle`` (verify mode drafts with its embedding and lm_head).
+        drafter: the DFlash drafter (verify mode drafts with it here; native mode reads its layer ids
+            and block size, and the server loads ``draft_path``).
+        draft_path: the drafter's directory, which a launched native-mode server loads.
+        log_dir: where a launched server's log goes.
+    """
+
+    skipped: tuple = ()  # SGLang rolls out every prompt; the prompt budget is checked before the server starts
+
+    def __init__(self, cfg: ExperimentConfig, bundle, drafter, *, draft_path: str | None, log_dir: Path):
+        self.name = cfg.rollout.backend
+        self.cfg, self.bundle, self.drafter, self.draft_path, self.log_dir = cfg, bundle, drafter, draft_path, Path(log_dir)
+
+    def roll_out(self, prompts: list[Prompt], writer: ShardWriter, *, drafter_step: int, on_write: OnWrite) -> None:
+        sglang_rollout(self.cfg, self.bundle, self.drafter, prompts, writer, drafter_step=drafter_step,
+                       draft_path=self.draft_path, out_dir=self.log_dir, on_write=on_write)
+
+
 def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[str, list[int]]], writer, *,
-                   drafter_step: int, draft_path: str | None, out_dir: Path) -> int:
+                   drafter_step: int, draft_path: str | None, out_dir: Path, on_write: OnWrite | None = None) -> int:
     """Roll out ``prompts`` through SGLang into ``writer`` (a ``shards.ShardWriter``); returns sequences written.
+
+    One shard per ``rollout.sequences_per_shard`` sequences; ``on_write(records)`` after each.
 
     Raises:
         ValueError: a setting the mode cannot honour (names the field).
         ServerError / ContractError: the server failed to start or answered outside the contract.
     """
-    from specforge_opd.models.drafter import drafter_layer_ids
-    from specforge_opd.rollout.shards import written_sample_ids
-    from specforge_opd.sglang.contract import server_layer_ids
-    from specforge_opd.sglang.native import native_rollout_async
-    from specforge_opd.sglang.speculate import Drafter
-    from specforge_opd.sglang.verify_client import check_verify_feature_size, check_verify_settings, verify_rollout_to_shards
+    def write(recs):
+        writer.write(recs)
+        if on_write is not None:
+            on_write(recs)
 
     rc = cfg.rollout
     layer_ids = drafter_layer_ids(drafter)
@@ -121,7 +151,7 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
         if mode == "verify":
             d = Drafter(drafter, model.get_input_embeddings(), model.get_output_embeddings())
             return verify_rollout_to_shards(
-                ep, d, todo, sglang_cfg=cfg.sglang, sequences_per_shard=rc.sequences_per_shard, write_shard=writer.write,
+                ep, d, todo, sglang_cfg=cfg.sglang, sequences_per_shard=rc.sequences_per_shard, write_shard=write,
                 max_new_tokens=rc.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids), teacher=rc.teacher,
                 teacher_topk=rc.teacher_topk, feature_dim=len(layer_ids) * int(tconf.hidden_size), drafter_step=drafter_step,
                 layer_ids=layer_ids,
@@ -134,6 +164,6 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
                 stop_token_ids=list(bundle.stop_token_ids), teacher=rc.teacher, temperature=rc.temperature,
                 drafter_step=drafter_step,
             ))
-            writer.write(recs)
+            write(recs)
             n += len(recs)
         return n

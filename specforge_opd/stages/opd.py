@@ -52,10 +52,11 @@ from specforge_opd.models.drafter import (
     read_drafter_metadata,
     save_drafter,
 )
-from specforge_opd.progress import progress_bar
+from specforge_opd.rollout.driver import drive
 from specforge_opd.rollout.engine import SpeculativeEngine
 from specforge_opd.rollout.records import accepted_histogram, tau_of
 from specforge_opd.rollout.shard_meta import ShardMeta
+from specforge_opd.rollout.shards import ShardWriter, read_shards
 from specforge_opd.run_fingerprint import check_config_unchanged
 from specforge_opd.sglang.sizing import plan_line
 from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also opd.write_report for callers)
@@ -78,6 +79,7 @@ from specforge_opd.stages.plan import (
     planned_world_size,
     with_start_shape,
 )
+from specforge_opd.stages.rollout import make_backend
 from specforge_opd.stepkeys import dir_bytes
 from specforge_opd.train.hooks import TrainHooks
 from specforge_opd.train.trainer import distill
@@ -195,53 +197,29 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
                   drafter_dir: Optional[str] = None, hooks: Optional[TrainHooks] = None) -> dict:
     """Roll out ``prompts`` (this rank's share) into ``shard_dir``; skip sequences already written.
 
+    The backend is ``rollout.backend``'s (``stages.rollout.make_backend``), driven by ``rollout.driver.drive``.
     The embedded backend rolls out every prompt left in one continuous batch of
-    ``rollout.batch_size`` rows and writes shards of that many sequences in prompt order.
-    ``hooks.after_shard(n)`` (tests) is called after each shard written, ``n`` the shards written so far.
+    ``rollout.batch_size`` rows and writes shards of that many sequences in prompt order;
+    SGLang's modes write ``rollout.sequences_per_shard`` (native mode launches the server with
+    ``drafter_dir``, this iteration's drafter). ``hooks.after_shard(n)`` (tests) is called after
+    each shard written, ``n`` the shards written so far.
 
-    ``rollout.backend`` sglang_verify / sglang_native go through ``sglang.rollout_backend``
-    (native mode launches the server with ``drafter_dir``, this iteration's drafter).
     Returns stats of the batches rolled out now plus those found done:
     sequences, completion tokens, verify steps, accepted histogram, seconds, FLOPs, and
     ``healed``: damaged shards moved aside on resume (their prompts were rolled out again).
     """
-    from specforge_opd.rollout.shards import ShardWriter, read_shards, written_sample_ids
-
     writer = ShardWriter(shard_dir, meta)
-    done = written_sample_ids(shard_dir)
-    todo = [p for p in prompts if p[0] not in done]
-    bs = cfg.rollout.batch_size
-    t0 = time.perf_counter()
-    new_tokens = 0
     rank, _ = _rank_world()
-    if cfg.rollout.backend != "embedded":
-        from specforge_opd.sglang.rollout_backend import sglang_rollout
-
-        sglang_rollout(cfg, bundle, engine.drafter, todo, writer, drafter_step=drafter_step, draft_path=drafter_dir,
-                       out_dir=shard_dir)
-        todo = []
-    bar = progress_bar(len(prompts), "rollout", "seq", initial=len(prompts) - len(todo), disable=rank != 0)
-    from specforge_opd.rollout.engine import generate_to_shards
-
-    written: list = []
+    backend = make_backend(cfg, bundle, engine, per=cfg.rollout.batch_size, draft_path=drafter_dir, log_dir=shard_dir)
     shards_now = 0
 
-    def on_write(recs):
-        nonlocal new_tokens, shards_now
-        new_tokens += sum(r.completion_tokens for r in recs)
-        written.extend(recs[-64:])  # a window for the bar's tau
-        del written[:-64]
-        bar.update(len(recs))
-        bar.set_postfix(tau=f"{tau_of(written):.2f}", refresh=False)
+    def after_shard(recs) -> None:
+        nonlocal shards_now
         shards_now += 1
         if hooks is not None:
             hooks.after_shard(shards_now)
 
-    if todo:
-        # shards of rollout.batch_size sequences, in prompt order
-        generate_to_shards(engine, todo, writer, per=bs, batch_size=bs, drafter_step=drafter_step, on_write=on_write)
-    bar.close()
-    seconds = time.perf_counter() - t0
+    run = drive(backend, prompts, writer, drafter_step=drafter_step, on_write=after_shard, quiet=rank != 0)
     # Stats over everything in the spool (resumed batches included), without features.
     recs = list(read_shards(shard_dir))
     ledger = FlopsLedger()
@@ -254,9 +232,9 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
         "verify_steps": sum(r.num_blocks for r in recs),
         "tau": tau_of(recs),
         "histogram": accepted_histogram(recs, recs[0].block_size) if recs else [],
-        "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds if seconds > 0 and new_tokens else None,
-        "skipped_too_long": len(getattr(engine, "skipped", []) or []),
+        "seconds": run.seconds,
+        "tokens_per_s": run.tokens_per_s,
+        "skipped_too_long": run.skipped,
         "target_rollout_flops": ledger.target_rollout,
         "healed": len(writer.healed),
     }

@@ -50,6 +50,7 @@ from specforge_opd.models.target import target_dir
 from specforge_opd.precision import Precision, announce, machine_info
 from specforge_opd.rollout.responses import read_responses, run_responses
 from specforge_opd.stages.plan import estimate_sft
+from specforge_opd.stages.rollout import response_generator
 from specforge_opd.stages.sft_features import (
     MIN_SUPERVISED_TOKENS,
     drafter_dtype,
@@ -336,7 +337,8 @@ def _responses_step(stage: _Stage, prompts: Optional[Sequence]) -> _Responses:
     r_dir = reusable_step(cfg, out, "responses", r_key)
     keyed_step("responses", r_dir, r_key, r_inputs,
                lambda: dict(run_responses(r_dir, tokenized, stage.target(), cfg,
-                                          donor_steps(cfg, out, "responses", r_inputs, vary=("prompts", "n"))),
+                                          donor_steps(cfg, out, "responses", r_inputs, vary=("prompts", "n")),
+                                          remote=response_generator(cfg)),
                             prompts_too_long_skipped=too_long), stage.skipped)
     stage.timings["responses"] = time.time() - t0
     return _Responses(tokenized, r_key, r_dir)
