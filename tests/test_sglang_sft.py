@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from specforge_opd.config import load_config
+from specforge_opd.models.target import TargetBundle
+from specforge_opd.rollout.responses import read_responses, run_responses
 from specforge_opd.sglang.generate import sglang_generate
-from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
+from specforge_opd.stages.rollout import response_generator
 from specforge_opd.stages.sft import SFTError
+from specforge_opd.testing.standin import StandinBackend, ThreadedStandin, make_app
 
 from conftest import make_tiny_target
 from sglang_helpers import greedy_reference
@@ -54,3 +58,21 @@ def test_sglang_generate_seeds_each_prompt_by_its_sample_id():
         (b2,) = sglang_generate([srv.url], [PROMPTS[0]], sample_ids=["b"], **kw)
     assert a != b and b == b2
     assert sample_seed(3, "a", bits=31) < 2**31 and sample_seed(3, "a", bits=31) != sample_seed(3, "b", bits=31)
+
+
+def test_sft_responses_step_through_sglang_equals_the_embedded_target(tmp_path):
+    """The responses step with ``rollout.backend`` naming SGLang (``stages.rollout.response_generator``) writes the
+    chunks the embedded target writes: the same greedy responses, cut at the stop token, in prompt order."""
+    target = make_tiny_target()
+    bundle = TargetBundle(model=target, tokenizer=None, path=tmp_path, identity="tiny", stop_token_ids=[1])
+    tokenized = [(f"p{i}", p) for i, p in enumerate(PROMPTS)]
+    common = ["sft.max_new_tokens=6", "sft.chunk_prompts=4", "sft.temperature=0.0"]
+    emb = load_config(None, common)
+    assert response_generator(emb) is None
+    run_responses(tmp_path / "embedded", tokenized, bundle, emb)
+    with ThreadedStandin(make_app(StandinBackend(target))) as srv:
+        cfg = load_config(None, common + ["rollout.backend=sglang_verify", f"sglang.urls=[{srv.url}]"])
+        run_responses(tmp_path / "sglang", tokenized, bundle, cfg, remote=response_generator(cfg))
+        assert srv.max_in_flight >= 1  # the responses came from the server
+    ref, got = read_responses(tmp_path / "embedded"), read_responses(tmp_path / "sglang")
+    assert [r.__dict__ for r in got] == [r.__dict__ for r in ref] and len(got) == len(PROMPTS)
