@@ -211,7 +211,7 @@ MAX_FUNCTION_LINES = 120
 #: module -> its line count today: it may shrink, not grow
 OVERSIZE_MODULES: dict[str, int] = {}
 #: (module, function) -> its line count today (docstring and nested definitions included)
-LONG_FUNCTIONS = {("stages.opd", "run_opd"): 272}
+LONG_FUNCTIONS: dict[tuple[str, str], int] = {}
 
 
 def _is_module(dotted: str) -> bool:

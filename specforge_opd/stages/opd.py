@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from specforge_opd.atomic import atomic_write_json
 from specforge_opd.config import ExperimentConfig
@@ -60,6 +61,7 @@ from specforge_opd.rollout.shards import ShardWriter, read_shards
 from specforge_opd.run_fingerprint import check_config_unchanged
 from specforge_opd.sglang.sizing import plan_line
 from specforge_opd.stages.opd_report import write_report  # noqa: F401  (also opd.write_report for callers)
+from specforge_opd.stages.opd_state import OPDRun, metrics_row, record_iteration
 from specforge_opd.stages.opd_validation import (
     OPD_CURVE_PLOT,
     OPDValidation,
@@ -85,11 +87,6 @@ from specforge_opd.train.hooks import TrainHooks
 from specforge_opd.train.trainer import distill
 
 STATE_FILE = "opd_state.json"
-
-
-def _short(v) -> str:
-    """A loss for the progress line: 4 significant digits, or as it is when not a number (None)."""
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -281,6 +278,9 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             allow_config_change: bool = False) -> Path:
     """Run (or resume) the whole OPD stage; returns the final drafter directory.
 
+    Setup and resume (``_setup``), one ``_run_iteration`` per iteration not yet done, then the final
+    drafter (``_finish``).
+
     Args:
         target: a loaded ``TargetBundle`` (None: ``target.load_target(cfg.target)``).
         prompts: the prompt pool as (id, token ids) (None: ``data`` sources rendered
@@ -295,6 +295,21 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         PlanError: the plan cannot run (spool budget, schedule).
         ConfigError: a resume with a changed config (``run_fingerprint.check_config_unchanged``).
         and whatever the rollout, shards and trainer raise on bad input.
+    """
+    run = _setup(cfg, target=target, prompts=prompts, val_prompts=val_prompts, hooks=hooks,
+                 allow_config_change=allow_config_change)
+    for it in range(run.state["iterations_done"], run.plan.iterations):
+        _run_iteration(run, it)
+    return _finish(run)
+
+
+def _setup(cfg: ExperimentConfig, *, target, prompts, val_prompts, hooks, allow_config_change: bool) -> OPDRun:
+    """Everything before the first iteration (``run_opd``'s arguments): the rank's GPU, the config check,
+    the target, the prompt pool, the plan, the resume state (``_load_state``), the process group, and
+    validation point 0 with the refreshes a resumed run already exported.
+
+    Raises:
+        PlanError, ConfigError: as ``run_opd``.
     """
     cfg = bind_rank_device(cfg)
     rank, world = _rank_world()
@@ -322,6 +337,48 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         cfg.training.batch_size = 1
         cfg.training.accumulation_steps = per_rank
     state_path = out / STATE_FILE
+    state = _load_state(cfg, out, state_path, plan, bundle, rank)
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.barrier()
+    if state["iterations_done"] == 0:
+        state["drafter"] = str(out / "initial_drafter")
+    if state.get("plan", {}).get("total_steps") != plan.total_steps:
+        raise PlanError(
+            f"{state_path} was written for another plan ({state.get('plan')}); rerun with the same config, or a fresh output.dir"
+        )
+    spool_root = Path(cfg.opd.spool_dir) if cfg.opd.spool_dir else out / "spool"
+    if rank == 0:
+        # a run killed inside iteration 0 has rollouts in the spool but no state file yet
+        begun = state_path.is_file() or any(spool_root.glob("iter_*"))
+        print(f"OPD: {plan.iterations} iterations x {plan.steps_per_iteration} steps ({plan.total_steps} total), pool {len(prompts)} prompts "
+              f"({pool_stats}); {'resuming at' if begun else 'starting at'} iteration {state['iterations_done']}",
+              file=sys.stderr)
+    initial_drafter = out / "initial_drafter"
+    initial_meta = read_drafter_metadata(initial_drafter)
+    flops = FlopsLedger.from_dict(state["flops"])
+    tb = _tensorboard(cfg, out) if rank == 0 else None
+    validation = None
+    if cfg.opd.val_prompts and rank == 0:
+        validation = OPDValidation(cfg, bundle, out, prompts=val_prompts)
+        # point 0: the start, so the curve shows what OPD adds to it
+        validation.point(0, initial_drafter, drafter_flops=FlopsLedger.from_dict(initial_meta.get("flops")).drafter_budget,
+                         opd_flops=0.0)
+        backfill_refreshes(validation, out, state["iterations_done"])
+    return OPDRun(cfg=cfg, rank=rank, world=world, out=out, bundle=bundle, prompts=prompts, plan=plan, state=state,
+                  state_path=state_path, spool_root=spool_root, initial_drafter=initial_drafter, initial_meta=initial_meta,
+                  flops=flops, tb=tb, validation=validation, hooks=hooks)
+
+
+def _load_state(cfg: ExperimentConfig, out: Path, state_path: Path, plan: OPDPlan, bundle, rank: int) -> dict:
+    """``state_path``'s state, or a fresh one at iteration 0; on a fresh run rank 0 saves the start drafter
+    as ``out/initial_drafter`` (before the process group's first barrier: the other ranks read it after).
+
+    Raises:
+        PlanError: draft.path unset, or not the drafter the run started from; rollout.backend
+            sglang_native with sglang.urls.
+    """
     state = json.loads(state_path.read_text()) if state_path.is_file() else {
         "iterations_done": 0,
         "drafter": str(cfg.resolve_path(cfg.draft.path)) if cfg.draft.path else None,
@@ -354,153 +411,109 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         meta = read_drafter_metadata(src) if Path(src).is_dir() else {}
         check_target_dtype(meta, cfg.target.dtype, src)
         save_drafter(init, out / "initial_drafter", metadata=dict(meta, source=str(src)), dtype=cfg.target.dtype)
-    if world > 1:
-        import torch.distributed as dist
+    return state
 
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+def _run_iteration(run: OPDRun, it: int) -> None:
+    """Iteration ``it``: 1. rollout (``_iteration_rollout``), 2. train (``distill``), 3. bookkeeping (the FLOPs
+    stamped on the export, ``opd_state.metrics_row``, and on rank 0 ``opd_state.record_iteration``); with
+    several ranks, every rank then reads back the state rank 0 advanced."""
+    it_dir = run.out / f"iter_{it:03d}"
+    drafter_dir = run.state["drafter"]
+    # -- 1. rollout ------------------------------------------------------
+    ro, drafter_step = _iteration_rollout(run, it, it_dir, drafter_dir)
+    spool_bytes = dir_bytes(run.spool_root)
+    # -- 2. train --------------------------------------------------------
+    shard_dirs = sorted({p.parent for p in (run.spool_root / f"iter_{it:03d}").rglob("manifest.json")})
+    tcfg = run.cfg.model_copy(deep=True)
+    tcfg.training.num_epochs = 1
+    prev_ckpt = run.out / f"iter_{it - 1:03d}" / "train" / "checkpoints" if it > 0 else None
+    t0 = time.perf_counter()
+    res = distill(
+        tcfg, shard_dirs, drafter_dir, it_dir / "train", target=run.bundle,
+        schedule=(it * run.plan.steps_per_iteration, run.plan.total_steps), carry_from=prev_ckpt, hooks=run.hooks,
+    )
+    train_seconds = time.perf_counter() - t0
+    # -- 3. bookkeeping --------------------------------------------------
+    # distill records the drafter-side FLOPs of the steps it trained; the rollout adds the target's.
+    # The stamp below replaces "flops" with the cumulative ledger and keeps distill's own as
+    # "iteration_flops": a run killed after the stamp but before the state is written reads
+    # this iteration's own cost again on resume, not the history counted twice.
+    export_meta = read_drafter_metadata(res.export_dir)
+    own = export_meta.get("iteration_flops") or export_meta.get("flops")
+    it_flops = FlopsLedger.from_dict(own)
+    it_flops.target_rollout += ro.pop("target_rollout_flops")
+    run.flops = flops = run.flops.add(it_flops)
+    # "flops": the drafter's whole history (initial drafter + this stage), comparable with a
+    # continued-SFT drafter's ledger; "opd_flops": this stage alone (what a matched baseline spends).
+    cumulative = FlopsLedger.from_dict(run.initial_meta.get("flops")).add(flops)
+    _stamp_metadata(res.export_dir, {"flops": cumulative.to_dict(), "opd_flops": flops.to_dict(), "opd_iteration": it,
+                                     "iteration_flops": own,
+                                     "initial_drafter": str(run.initial_drafter), "initial_flops": run.initial_meta.get("flops")})
+    row = metrics_row(run, it, ro, res, drafter_step=drafter_step, train_seconds=train_seconds, spool_bytes=spool_bytes,
+                      cumulative=cumulative)
+    if run.rank == 0:
+        record_iteration(run, it, row, ro, res, spool_bytes)
+    if run.world > 1:
         dist.barrier()
-    if state["iterations_done"] == 0:
-        state["drafter"] = str(out / "initial_drafter")
-    if state.get("plan", {}).get("total_steps") != plan.total_steps:
-        raise PlanError(
-            f"{state_path} was written for another plan ({state.get('plan')}); rerun with the same config, or a fresh output.dir"
-        )
-    spool_root = Path(cfg.opd.spool_dir) if cfg.opd.spool_dir else out / "spool"
-    if rank == 0:
-        # a run killed inside iteration 0 has rollouts in the spool but no state file yet
-        begun = state_path.is_file() or any(spool_root.glob("iter_*"))
-        print(f"OPD: {plan.iterations} iterations x {plan.steps_per_iteration} steps ({plan.total_steps} total), pool {len(prompts)} prompts "
-              f"({pool_stats}); {'resuming at' if begun else 'starting at'} iteration {state['iterations_done']}",
+        run.state = json.loads(run.state_path.read_text())
+
+
+def _iteration_rollout(run: OPDRun, it: int, it_dir: Path, drafter_dir: str) -> tuple[dict, int]:
+    """Roll out this rank's share of iteration ``it``'s prompts with the drafter in ``drafter_dir``.
+
+    Shards healed on any rank restart the iteration's training (rank 0 deletes its checkpoints);
+    with several ranks, ends with every rank's rollout done (all-reduce of the healed count, barriers).
+    Returns ``rollout_phase``'s stats without ``healed``, and the drafter's step.
+    """
+    cfg, rank, world, bundle = run.cfg, run.rank, run.world, run.bundle
+    shard_dir = run.spool_root / f"iter_{it:03d}" / (f"rank{rank}" if world > 1 else "")
+    drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
+    drafter_step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+    idx = iteration_prompt_indices(run.plan, it, cfg.data.seed)
+    prompts = run.prompts
+    mine = [(f"{prompts[i][0]}#g{it * run.plan.prompts_per_iteration + j}", prompts[i][1]) for j, i in enumerate(idx)][rank::world]
+    engine = SpeculativeEngine(
+        bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
+        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
+    )
+    meta = _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step, it)
+    rcfg = cfg.model_copy(deep=True)
+    rcfg.rollout.seed = cfg.rollout.seed + it
+    ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir, hooks=run.hooks)
+    del engine, drafter
+    healed = ro.pop("healed")
+    if world > 1:
+        flag = torch.tensor([healed], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(flag)
+        healed = int(flag.item())
+        dist.barrier()
+    if healed and rank == 0 and (it_dir / "train" / "checkpoints").is_dir():
+        # the healed spool holds the same prompts in another order: this iteration's training starts over
+        print(f"OPD: iteration {it + 1}'s shards were healed; its training restarts from the iteration's start",
               file=sys.stderr)
-    initial_drafter = out / "initial_drafter"
-    initial_meta = read_drafter_metadata(initial_drafter)
-    flops = FlopsLedger.from_dict(state["flops"])
-    tb = _tensorboard(cfg, out) if rank == 0 else None
-    validation = None
-    if cfg.opd.val_prompts and rank == 0:
-        validation = OPDValidation(cfg, bundle, out, prompts=val_prompts)
-        # point 0: the start, so the curve shows what OPD adds to it
-        validation.point(0, initial_drafter, drafter_flops=FlopsLedger.from_dict(initial_meta.get("flops")).drafter_budget,
-                         opd_flops=0.0)
-        backfill_refreshes(validation, out, state["iterations_done"])
+        shutil.rmtree(it_dir / "train" / "checkpoints")
+    if world > 1:
+        dist.barrier()
+    return ro, drafter_step
 
-    for it in range(state["iterations_done"], plan.iterations):
-        it_dir = out / f"iter_{it:03d}"
-        shard_dir = spool_root / f"iter_{it:03d}" / (f"rank{rank}" if world > 1 else "")
-        drafter_dir = state["drafter"]
-        drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
-        drafter_step = int(read_drafter_metadata(drafter_dir).get("step", 0))
-        # -- 1. rollout ------------------------------------------------------
-        idx = iteration_prompt_indices(plan, it, cfg.data.seed)
-        mine = [(f"{prompts[i][0]}#g{it * plan.prompts_per_iteration + j}", prompts[i][1]) for j, i in enumerate(idx)][rank::world]
-        engine = SpeculativeEngine(
-            bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
-            max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
-        )
-        meta = _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step, it)
-        rcfg = cfg.model_copy(deep=True)
-        rcfg.rollout.seed = cfg.rollout.seed + it
-        ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir, hooks=hooks)
-        del engine, drafter
-        healed = ro.pop("healed")
-        if world > 1:
-            flag = torch.tensor([healed], device="cuda" if torch.cuda.is_available() else "cpu")
-            dist.all_reduce(flag)
-            healed = int(flag.item())
-            dist.barrier()
-        if healed and rank == 0 and (it_dir / "train" / "checkpoints").is_dir():
-            # the healed spool holds the same prompts in another order: this iteration's training starts over
-            print(f"OPD: iteration {it + 1}'s shards were healed; its training restarts from the iteration's start",
-                  file=sys.stderr)
-            shutil.rmtree(it_dir / "train" / "checkpoints")
-        if world > 1:
-            dist.barrier()
-        spool_bytes = dir_bytes(spool_root)
-        # -- 2. train --------------------------------------------------------
-        shard_dirs = sorted({p.parent for p in (spool_root / f"iter_{it:03d}").rglob("manifest.json")})
-        tcfg = cfg.model_copy(deep=True)
-        tcfg.training.num_epochs = 1
-        prev_ckpt = out / f"iter_{it - 1:03d}" / "train" / "checkpoints" if it > 0 else None
-        t0 = time.perf_counter()
-        res = distill(
-            tcfg, shard_dirs, drafter_dir, it_dir / "train", target=bundle,
-            schedule=(it * plan.steps_per_iteration, plan.total_steps), carry_from=prev_ckpt, hooks=hooks,
-        )
-        train_seconds = time.perf_counter() - t0
-        # -- 3. bookkeeping --------------------------------------------------
-        # distill records the drafter-side FLOPs of the steps it trained; the rollout adds the target's.
-        # The stamp below replaces "flops" with the cumulative ledger and keeps distill's own as
-        # "iteration_flops": a run killed after the stamp but before the state is written reads
-        # this iteration's own cost again on resume, not the history counted twice.
-        export_meta = read_drafter_metadata(res.export_dir)
-        own = export_meta.get("iteration_flops") or export_meta.get("flops")
-        it_flops = FlopsLedger.from_dict(own)
-        it_flops.target_rollout += ro.pop("target_rollout_flops")
-        flops = flops.add(it_flops)
-        # "flops": the drafter's whole history (initial drafter + this stage), comparable with a
-        # continued-SFT drafter's ledger; "opd_flops": this stage alone (what a matched baseline spends).
-        cumulative = FlopsLedger.from_dict(initial_meta.get("flops")).add(flops)
-        _stamp_metadata(res.export_dir, {"flops": cumulative.to_dict(), "opd_flops": flops.to_dict(), "opd_iteration": it,
-                                         "iteration_flops": own,
-                                         "initial_drafter": str(initial_drafter), "initial_flops": initial_meta.get("flops")})
-        row = {
-            "iteration": it,
-            "drafter_step": drafter_step,
-            "rollout_tau": ro["tau"],
-            "rollout_sequences": ro["sequences"],
-            "rollout_completion_tokens": ro["completion_tokens"],
-            "rollout_verify_steps": ro["verify_steps"],
-            "rollout_histogram": ro["histogram"],
-            "rollout_tokens_per_s": ro["tokens_per_s"],
-            "rollout_seconds": ro["seconds"],
-            "train_steps": res.step,  # the iteration's steps, those of earlier (killed) invocations included
-            "train_seconds": train_seconds,
-            "train_positions_per_s": res.last_metrics.get("positions_per_s"),
-            "loss": res.last_metrics.get("loss"),
-            "L_acc": res.last_metrics.get("L_acc"),
-            "L_rej": res.last_metrics.get("L_rej"),
-            "accepted_fraction": res.last_metrics.get("accepted_fraction"),
-            "policy_lag": res.last_metrics.get("policy_lag"),
-            "mixed_precision": res.last_metrics.get("mixed_precision"),
-            "spool_bytes": spool_bytes,
-            "output_bytes": dir_bytes(out),
-            "flops": flops.to_dict(),
-        }
-        if validation is not None:
-            # before the iteration is marked done: a kill here measures it again on resume
-            row["val_tau"] = validation.point(it + 1, res.export_dir, drafter_flops=cumulative.drafter_budget,
-                                              opd_flops=flops.drafter_budget)["tau"]
-        if rank == 0:
-            with open(out / "opd_metrics.jsonl", "a") as f:
-                f.write(json.dumps(row, default=float) + "\n")
-            if tb is not None:
-                for k, v in row.items():
-                    if isinstance(v, (int, float)) and v is not None:
-                        tb.add_scalar(f"opd/{k}", v, it)
-                tb.flush()
-            speed = f"{ro['tokens_per_s']:.1f} tok/s" if ro["tokens_per_s"] else "reused from the spool"
-            print(f"[iter {it + 1}/{plan.iterations}] rollout tau={ro['tau']:.3f} ({ro['sequences']} seq, "
-                  f"{speed}) | train {res.step} steps, loss={_short(row['loss'])} "
-                  f"L_acc={_short(row['L_acc'])} L_rej={_short(row['L_rej'])} | spool {spool_bytes / 2**20:.1f} MiB", file=sys.stderr)
-            if not cfg.opd.keep_shards:
-                shutil.rmtree(spool_root / f"iter_{it:03d}", ignore_errors=True)
-            # previous iteration's training checkpoints are no longer needed once this one is done
-            if it > 0:
-                shutil.rmtree(out / f"iter_{it - 1:03d}" / "train" / "checkpoints", ignore_errors=True)
-            state.update(iterations_done=it + 1, drafter=str(res.export_dir), flops=flops.to_dict())
-            state["history"].append({k: row[k] for k in ("iteration", "rollout_tau", "loss", "L_acc", "L_rej")})
-            atomic_write_json(state_path, state)
-        if world > 1:
-            dist.barrier()
-            state = json.loads(state_path.read_text())
 
+def _finish(run: OPDRun) -> Path:
+    """After the last iteration: the final drafter's rollout tau (rank 0, ``opd.final_rollout``, once), then
+    rank 0 copies the selected refresh (``opd.select`` with validation, else the last export) to ``out/final``,
+    stamps it, and writes the report. Returns ``out/final`` (on every rank).
+
+    Raises:
+        PlanError: no iteration ran.
+        DiskFullError: the disk filled while copying the final drafter.
+    """
+    cfg, out, state, validation = run.cfg, run.out, run.state, run.validation
     final = out / "final"
-    if (rank == 0 and cfg.opd.final_rollout and state["iterations_done"] == plan.iterations
+    if (run.rank == 0 and cfg.opd.final_rollout and state["iterations_done"] == run.plan.iterations
             and "final_rollout" not in state):
-        state["final_rollout"] = _final_rollout(cfg, bundle, prompts, plan, state["drafter"], spool_root)
-        atomic_write_json(state_path, state)
-    if rank == 0:
+        state["final_rollout"] = _final_rollout(cfg, run.bundle, run.prompts, run.plan, state["drafter"], run.spool_root)
+        atomic_write_json(run.state_path, state)
+    if run.rank == 0:
         if state["iterations_done"] == 0:
             raise PlanError("no OPD iteration ran")
         chosen, record = state["drafter"], {}
@@ -508,7 +521,7 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
             curve = validation.curve()
             sel = select_refresh(curve, cfg.opd.select)
             chosen = sel["export"]
-            plot_opd_curve(curve, out / OPD_CURVE_PLOT, sel["step"], initial_meta)
+            plot_opd_curve(curve, out / OPD_CURVE_PLOT, sel["step"], run.initial_meta)
             record = {"validation": {"select": cfg.opd.select, "selected_refresh": sel["step"], "selected_tau": sel["tau"],
                                      "curve": curve, "val_prompts": len(validation.prompt_ids)}}
             print(f"[opd val] exporting refresh {sel['step']} (opd.select={cfg.opd.select}: validation tau "
@@ -528,8 +541,8 @@ def run_opd(cfg: ExperimentConfig, *, target=None, prompts: Optional[list[tuple[
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_report(out, final_rollout=state.get("final_rollout"))
-        if tb is not None:
-            tb.close()
+        if run.tb is not None:
+            run.tb.close()
     return final
 
 
