@@ -203,7 +203,7 @@ def test_the_published_registry_imports_only_the_stdlib():
 #: 600 lines and no function over 120.
 #: ``cli``'s own imports are not counted: its verb functions import the modules they run inside the function, so
 #: ``--help`` and ``config`` stay torch-free (``test_help_and_config_do_not_load_torch``).
-FUNCTION_LEVEL_CAP = 4
+FUNCTION_LEVEL_CAP = 6
 #: Today's import cycles when function-level imports count; a cycle may shrink or go, never grow or appear.
 KNOWN_CYCLES: list[set[str]] = []
 MAX_MODULE_LINES = 600

@@ -3,14 +3,23 @@ backend from ``rollout.backend`` (``stages.rollout``)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from specforge_opd.config import load_config
+from specforge_opd.models.drafter import save_drafter
+from specforge_opd.models.target import TargetBundle
 from specforge_opd.rollout.driver import EmbeddedBackend, drive
-from specforge_opd.rollout.shards import ShardWriter, read_shards
+from specforge_opd.rollout.engine import SpeculativeEngine
+from specforge_opd.rollout.shards import MANIFEST, ShardWriter, read_shards
 from specforge_opd.sglang.rollout_backend import SGLangBackend
+from specforge_opd.stages import opd
 from specforge_opd.stages import rollout as rollout_stage
 
+from conftest import make_tiny_drafter, make_tiny_target
 from test_shards import META, make_record
 
 PROMPTS = [(f"p{i}", [5 + i, 6, 7]) for i in range(5)]
@@ -68,9 +77,9 @@ def test_make_backend_is_the_one_branch_on_rollout_backend(tmp_path):
         skipped: list = []
 
     engine = Engine()
-    emb = rollout_stage.make_backend(load_config(None, ["rollout.batch_size=3"]), None, engine, per=3, draft_path=None,
+    emb = rollout_stage.make_backend(load_config(None, ["rollout.batch_size=3"]), None, engine, per=5, draft_path=None,
                                      log_dir=tmp_path)
-    assert isinstance(emb, EmbeddedBackend) and (emb.per, emb.batch_size, emb.name) == (3, 3, "embedded")
+    assert isinstance(emb, EmbeddedBackend) and (emb.per, emb.batch_size, emb.name) == (5, 3, "embedded")
     for name in ("sglang_verify", "sglang_native"):
         b = rollout_stage.make_backend(load_config(None, [f"rollout.backend={name}"]), None, engine, per=3,
                                        draft_path="d", log_dir=tmp_path)
@@ -84,9 +93,48 @@ def test_make_backend_is_the_one_branch_on_rollout_backend(tmp_path):
 def test_response_generator_sends_sft_responses_to_sglang_only_when_configured(monkeypatch):
     assert rollout_stage.response_generator(load_config(None, [])) is None
     calls = []
-    monkeypatch.setattr(rollout_stage, "sglang_generate", lambda urls, prompts, **kw: calls.append((urls, prompts, kw)) or [[1]])
+    monkeypatch.setattr("specforge_opd.sglang.generate.sglang_generate", lambda urls, prompts, **kw: calls.append((urls, prompts, kw)) or [[1]])
     cfg = load_config(None, ["rollout.backend=sglang_verify", "sglang.urls=[http://127.0.0.1:9]", "sglang.request_timeout_s=7"])
     gen = rollout_stage.response_generator(cfg)
     assert gen([[3, 4]], sample_ids=["a"], max_new_tokens=2, stop_token_ids=[1], temperature=0.0, seed=5) == [[1]]
     assert calls == [(["http://127.0.0.1:9"], [[3, 4]], dict(timeout_s=7, sample_ids=["a"], max_new_tokens=2,
                                                                 stop_token_ids=[1], temperature=0.0, seed=5))]
+
+
+def _shard_sizes(d) -> list[int]:
+    return [e["sequences"] for e in json.loads((d / MANIFEST).read_text())["shards"]]
+
+
+def test_shard_sizes_of_the_verb_and_of_an_opd_iteration(tmp_path, monkeypatch):
+    """The ``rollout`` verb writes ``rollout.sequences_per_shard`` sequences to a shard; an OPD iteration's
+    embedded rollout writes ``rollout.batch_size`` (one shard per batch, which the spool budget counts)."""
+    target = make_tiny_target()
+    drafter = make_tiny_drafter(target)
+    ddir = save_drafter(drafter, tmp_path / "drafter")
+    bundle = TargetBundle(model=target, tokenizer=None, path=tmp_path, identity="tiny", stop_token_ids=[1])
+    monkeypatch.setattr("specforge_opd.models.target.load_target", lambda tcfg: bundle)
+    cfg = load_config(None, [f"draft.path={ddir}", "rollout.max_new_tokens=6", "rollout.teacher=token", "target.max_context=64",
+                             "rollout.batch_size=2", "rollout.sequences_per_shard=3"])
+    rollout_stage.run_rollout(cfg, tmp_path / "verb", prompts=PROMPTS)
+    assert _shard_sizes(tmp_path / "verb") == [3, 2]
+    engine = SpeculativeEngine(target, drafter, cfg.rollout, stop_token_ids=[1], mask_token_id=96, max_context=64)
+    seen = []
+
+    class Hooks:
+        def after_shard(self, n):
+            seen.append(n)
+
+    ro = opd.rollout_phase(cfg, engine, bundle, PROMPTS, tmp_path / "opd", opd._rollout_meta(cfg, bundle, drafter, ddir, 0, 0), 0,
+                           hooks=Hooks())
+    assert _shard_sizes(tmp_path / "opd") == [2, 2, 1] and seen == [1, 2, 3]
+    assert (ro["sequences"], ro["healed"], ro["skipped_too_long"]) == (5, 0, 0)
+
+
+def test_embedded_stages_import_without_the_sglang_extra():
+    """``aiohttp`` comes with the optional ``sglang`` extra: the SFT, OPD, rollout and comparison stages import
+    without it, and only choosing an SGLang backend needs it."""
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "import specforge_opd.stages.sft, specforge_opd.stages.opd, specforge_opd.stages.rollout, specforge_opd.stages.compare\n"
+            "assert 'specforge_opd.sglang.verify_client' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -38,6 +38,8 @@ def test_rollout_cli_over_standin_equals_embedded(tmp_path, monkeypatch, backend
         run_rollout(cfg, tmp_path / "http", prompts=PROMPTS)
         # a rerun resumes: every prompt is already in a complete shard, nothing is rolled out again
         run_rollout(cfg, tmp_path / "http", prompts=PROMPTS)
+    # and a rerun after everything is written needs no server: the one it names is gone
+    run_rollout(cfg, tmp_path / "http", prompts=PROMPTS)
     ref = {r.sample_id: r for r in read_shards(tmp_path / "embedded")}
     got = {r.sample_id: r for r in read_shards(tmp_path / "http")}
     assert sorted(got) == sorted(ref) == ["p0", "p1", "p2"]

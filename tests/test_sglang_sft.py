@@ -76,3 +76,31 @@ def test_sft_responses_step_through_sglang_equals_the_embedded_target(tmp_path):
         assert srv.max_in_flight >= 1  # the responses came from the server
     ref, got = read_responses(tmp_path / "embedded"), read_responses(tmp_path / "sglang")
     assert [r.__dict__ for r in got] == [r.__dict__ for r in ref] and len(got) == len(PROMPTS)
+
+
+def test_the_sft_stage_takes_its_responses_from_sglang_when_configured(tmp_path, monkeypatch):
+    """``run_sft`` with ``rollout.backend=sglang_verify`` asks the server for its responses (the stage hands
+    ``stages.rollout.response_generator`` down), and they are the embedded target's greedy responses."""
+    from specforge_opd.stages import sft
+
+    from sft_helpers import make_prompts, make_target_dir, tiny_cfg
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(sft, "_features_step", stop)  # the responses step is all this test needs
+    bundle = make_target_dir(tmp_path / "target")
+    prompts = make_prompts(6)
+    with pytest.raises(Stop):
+        sft.run_sft(tiny_cfg(tmp_path / "embedded"), bundle=bundle, prompts=prompts, target_path=bundle.path)
+    with ThreadedStandin(make_app(StandinBackend(bundle.model))) as srv:
+        cfg = tiny_cfg(tmp_path / "sglang", **{"rollout.backend": "sglang_verify", "sglang.urls": f"[{srv.url}]"})
+        with pytest.raises(Stop):
+            sft.run_sft(cfg, bundle=bundle, prompts=prompts, target_path=bundle.path)
+        assert srv.max_in_flight >= 1
+    (ref,), (got,) = (list((tmp_path / d).glob("responses-*")) for d in ("embedded", "sglang"))
+    assert [r.__dict__ for r in read_responses(got)] == [r.__dict__ for r in read_responses(ref)]
+    assert len(read_responses(got)) == 6

@@ -105,7 +105,7 @@ class SGLangBackend:
         log_dir: where a launched server's log goes.
     """
 
-    skipped: tuple = ()  # SGLang rolls out every prompt; the prompt budget is checked before the server starts
+    skipped: tuple = ()  # SGLang does not apply target.too_long: nothing is skipped
 
     def __init__(self, cfg: ExperimentConfig, bundle, drafter, *, draft_path: str | None, log_dir: Path):
         self.name = cfg.rollout.backend

@@ -20,8 +20,6 @@ from specforge_opd.rollout.driver import EmbeddedBackend, RolloutBackend, drive
 from specforge_opd.rollout.engine import RolloutError, SpeculativeEngine
 from specforge_opd.rollout.shard_meta import ShardMeta
 from specforge_opd.rollout.shards import ShardWriter
-from specforge_opd.sglang.generate import sglang_generate
-from specforge_opd.sglang.rollout_backend import SGLangBackend
 
 
 def make_backend(cfg: ExperimentConfig, bundle, engine: SpeculativeEngine, *, per: int, draft_path: Optional[str],
@@ -39,6 +37,9 @@ def make_backend(cfg: ExperimentConfig, bundle, engine: SpeculativeEngine, *, pe
     if backend == "embedded":
         return EmbeddedBackend(engine, per=per, batch_size=cfg.rollout.batch_size)
     if backend in ("sglang_verify", "sglang_native"):
+        # lazy: the SGLang client needs the optional ``sglang`` extra (aiohttp), which embedded runs do without
+        from specforge_opd.sglang.rollout_backend import SGLangBackend
+
         return SGLangBackend(cfg, bundle, engine.drafter, draft_path=draft_path, log_dir=log_dir)
     raise ValueError(f"rollout.backend={backend!r}: use embedded, sglang_verify or sglang_native")
 
@@ -49,6 +50,8 @@ def response_generator(cfg: ExperimentConfig) -> Optional[Callable[..., list[lis
     (``sglang.generate.sglang_generate`` with the prompts, ``sample_ids`` and the sampling keywords)."""
     if cfg.rollout.backend == "embedded":
         return None
+    # lazy: the SGLang client needs the optional ``sglang`` extra (aiohttp), which embedded runs do without
+    from specforge_opd.sglang.generate import sglang_generate
 
     def remote(prompts: list[list[int]], **kw) -> list[list[int]]:
         return sglang_generate(cfg.sglang.urls, prompts, timeout_s=cfg.sglang.request_timeout_s, **kw)
