@@ -164,11 +164,11 @@ def test_kill_during_responses_and_features_resumes_without_duplicates(tmp_path,
     real_gen = responses.generate_responses
     calls = []
 
-    def gen(bundle_, batch, cfg_, seed, sample_ids=None, batch_size=None):
+    def gen(bundle_, batch, cfg_, seed, sample_ids=None, batch_size=None, remote=None):
         calls.append(list(sample_ids))
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_gen(bundle_, batch, cfg_, seed, sample_ids, batch_size)
+        return real_gen(bundle_, batch, cfg_, seed, sample_ids, batch_size, remote)
 
     monkeypatch.setattr(responses, "generate_responses", gen)
     with pytest.raises(KeyboardInterrupt):
