@@ -26,7 +26,7 @@ import torch
 from specforge_opd.config import ExperimentConfig, SGLangConfig
 from specforge_opd.models.drafter import drafter_layer_ids
 from specforge_opd.rollout.driver import OnWrite, Prompt
-from specforge_opd.rollout.shards import ShardWriter, written_sample_ids
+from specforge_opd.rollout.shards import ShardWriter
 from specforge_opd.sglang.contract import server_layer_ids
 from specforge_opd.sglang.launcher import Endpoints, SGLangServer, check_extra_args, mode_env, rank_gpu_env, server_args
 from specforge_opd.sglang.native import native_rollout_async
@@ -118,7 +118,8 @@ class SGLangBackend:
 
 def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[str, list[int]]], writer, *,
                    drafter_step: int, draft_path: str | None, out_dir: Path, on_write: OnWrite | None = None) -> int:
-    """Roll out ``prompts`` through SGLang into ``writer`` (a ``shards.ShardWriter``); returns sequences written.
+    """Roll out every one of ``prompts`` through SGLang into ``writer`` (a ``shards.ShardWriter``); returns
+    sequences written. The caller (``rollout.driver.drive``) has left out the sequences already written.
 
     One shard per ``rollout.sequences_per_shard`` sequences; ``on_write(records)`` after each.
 
@@ -134,13 +135,11 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
     rc = cfg.rollout
     layer_ids = drafter_layer_ids(drafter)
     bs = int(drafter.block_size)
-    done = written_sample_ids(writer.dir)
-    todo = [p for p in prompts if p[0] not in done]
     mode = "verify" if rc.backend == "sglang_verify" else "native"
     if mode == "verify":
         check_verify_settings(rc.temperature, rc.teacher, cfg.training.feature_source)
         # before a server starts (minutes at the paper's size): a prefill too large to travel as JSON
-        check_verify_feature_size(todo, len(server_layer_ids(layer_ids)) * int(tconf_of(bundle.model).hidden_size), cfg.sglang)
+        check_verify_feature_size(prompts, len(server_layer_ids(layer_ids)) * int(tconf_of(bundle.model).hidden_size), cfg.sglang)
     model = bundle.model
     tconf = tconf_of(model)
     keep = (model.get_input_embeddings(), model.get_output_embeddings()) if mode == "verify" else ()
@@ -151,14 +150,14 @@ def sglang_rollout(cfg: ExperimentConfig, bundle, drafter, prompts: list[tuple[s
         if mode == "verify":
             d = Drafter(drafter, model.get_input_embeddings(), model.get_output_embeddings())
             return verify_rollout_to_shards(
-                ep, d, todo, sglang_cfg=cfg.sglang, sequences_per_shard=rc.sequences_per_shard, write_shard=write,
+                ep, d, prompts, sglang_cfg=cfg.sglang, sequences_per_shard=rc.sequences_per_shard, write_shard=write,
                 max_new_tokens=rc.max_new_tokens, stop_token_ids=list(bundle.stop_token_ids), teacher=rc.teacher,
                 teacher_topk=rc.teacher_topk, feature_dim=len(layer_ids) * int(tconf.hidden_size), drafter_step=drafter_step,
                 layer_ids=layer_ids,
             )
         n = 0
-        for i in range(0, len(todo), rc.sequences_per_shard):
-            group = todo[i : i + rc.sequences_per_shard]
+        for i in range(0, len(prompts), rc.sequences_per_shard):
+            group = prompts[i : i + rc.sequences_per_shard]
             recs = asyncio.run(native_rollout_async(
                 ep, group, sglang_cfg=cfg.sglang, block_size=bs, max_new_tokens=rc.max_new_tokens,
                 stop_token_ids=list(bundle.stop_token_ids), teacher=rc.teacher, temperature=rc.temperature,

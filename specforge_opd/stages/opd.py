@@ -237,6 +237,18 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
     }
 
 
+def _rollout_engine(cfg, bundle, drafter_dir, it: int) -> tuple[SpeculativeEngine, ShardMeta, int]:
+    """The drafter in ``drafter_dir`` on the target's device, the engine that rolls out with it, the shard meta
+    of iteration ``it``'s rollout, and the drafter's optimizer step (its metadata's ``step``, 0 when absent)."""
+    drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
+    step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+    engine = SpeculativeEngine(
+        bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
+        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
+    )
+    return engine, _rollout_meta(cfg, bundle, drafter, drafter_dir, step, it), step
+
+
 def _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step: int, it: int) -> ShardMeta:
     """The shard meta of iteration ``it``'s rollout (``shards`` module docstring)."""
     return ShardMeta.of_rollout(cfg, target_identity=bundle.identity, drafter_identity=str(drafter_dir),
@@ -253,17 +265,11 @@ def _final_rollout(cfg, bundle, prompts, plan: OPDPlan, drafter_dir, spool_root:
     Returns:
         ``{"tau", "sequences", "drafter"}``.
     """
-    drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
-    step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+    engine, meta, step = _rollout_engine(cfg, bundle, drafter_dir, 0)
     mine = [(f"{prompts[i][0]}#g{j}", prompts[i][1]) for j, i in enumerate(iteration_prompt_indices(plan, 0, cfg.data.seed))]
-    engine = SpeculativeEngine(
-        bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
-        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
-    )
     shard_dir = spool_root / "final"
     print(f"OPD: measuring the final drafter's tau on iteration 1's {len(mine)} prompts", file=sys.stderr)
-    ro = rollout_phase(cfg, engine, bundle, mine, shard_dir, _rollout_meta(cfg, bundle, drafter, drafter_dir, step, 0), step,
-                       drafter_dir=drafter_dir)
+    ro = rollout_phase(cfg, engine, bundle, mine, shard_dir, meta, step, drafter_dir=drafter_dir)
     if not cfg.opd.keep_shards:
         shutil.rmtree(shard_dir, ignore_errors=True)
     return {"tau": ro["tau"], "sequences": ro["sequences"], "drafter": str(drafter_dir)}
@@ -416,7 +422,8 @@ def _load_state(cfg: ExperimentConfig, out: Path, state_path: Path, plan: OPDPla
 
 def _run_iteration(run: OPDRun, it: int) -> None:
     """Iteration ``it``: 1. rollout (``_iteration_rollout``), 2. train (``distill``), 3. bookkeeping (the FLOPs
-    stamped on the export, ``opd_state.metrics_row``, and on rank 0 ``opd_state.record_iteration``); with
+    stamped on the export, ``opd_state.metrics_row``, the validation point of rank 0, and on rank 0
+    ``opd_state.record_iteration``); with
     several ranks, every rank then reads back the state rank 0 advanced."""
     it_dir = run.out / f"iter_{it:03d}"
     drafter_dir = run.state["drafter"]
@@ -450,8 +457,11 @@ def _run_iteration(run: OPDRun, it: int) -> None:
     _stamp_metadata(res.export_dir, {"flops": cumulative.to_dict(), "opd_flops": flops.to_dict(), "opd_iteration": it,
                                      "iteration_flops": own,
                                      "initial_drafter": str(run.initial_drafter), "initial_flops": run.initial_meta.get("flops")})
-    row = metrics_row(run, it, ro, res, drafter_step=drafter_step, train_seconds=train_seconds, spool_bytes=spool_bytes,
-                      cumulative=cumulative)
+    row = metrics_row(run, it, ro, res, drafter_step=drafter_step, train_seconds=train_seconds, spool_bytes=spool_bytes)
+    if run.validation is not None:
+        # before the iteration is marked done: a kill here measures it again on resume
+        row["val_tau"] = run.validation.point(it + 1, res.export_dir, drafter_flops=cumulative.drafter_budget,
+                                              opd_flops=flops.drafter_budget)["tau"]
     if run.rank == 0:
         record_iteration(run, it, row, ro, res, spool_bytes)
     if run.world > 1:
@@ -468,20 +478,14 @@ def _iteration_rollout(run: OPDRun, it: int, it_dir: Path, drafter_dir: str) -> 
     """
     cfg, rank, world, bundle = run.cfg, run.rank, run.world, run.bundle
     shard_dir = run.spool_root / f"iter_{it:03d}" / (f"rank{rank}" if world > 1 else "")
-    drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
-    drafter_step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+    engine, meta, drafter_step = _rollout_engine(cfg, bundle, drafter_dir, it)
     idx = iteration_prompt_indices(run.plan, it, cfg.data.seed)
     prompts = run.prompts
     mine = [(f"{prompts[i][0]}#g{it * run.plan.prompts_per_iteration + j}", prompts[i][1]) for j, i in enumerate(idx)][rank::world]
-    engine = SpeculativeEngine(
-        bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
-        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
-    )
-    meta = _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step, it)
     rcfg = cfg.model_copy(deep=True)
     rcfg.rollout.seed = cfg.rollout.seed + it
     ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir, hooks=run.hooks)
-    del engine, drafter
+    del engine  # and its drafter: the trainer loads its own copy
     healed = ro.pop("healed")
     if world > 1:
         flag = torch.tensor([healed], device="cuda" if torch.cuda.is_available() else "cpu")

@@ -57,13 +57,10 @@ class OPDRun:
     hooks: Optional[TrainHooks]
 
 
-def metrics_row(run: OPDRun, it: int, ro: dict, res, *, drafter_step: int, train_seconds: float, spool_bytes: int,
-                cumulative: FlopsLedger) -> dict:
+def metrics_row(run: OPDRun, it: int, ro: dict, res, *, drafter_step: int, train_seconds: float, spool_bytes: int) -> dict:
     """Iteration ``it``'s row of ``opd_metrics.jsonl`` from its rollout stats ``ro`` and ``distill`` result ``res``,
-    after ``run.flops`` counts the iteration; where rank 0 validates, it measures the new export first (``val_tau``;
-    ``cumulative`` is the export's whole-history ledger)."""
-    flops = run.flops
-    row = {
+    after ``run.flops`` counts the iteration (the validation tau, where measured, is added by the caller)."""
+    return {
         "iteration": it,
         "drafter_step": drafter_step,
         "rollout_tau": ro["tau"],
@@ -84,13 +81,8 @@ def metrics_row(run: OPDRun, it: int, ro: dict, res, *, drafter_step: int, train
         "mixed_precision": res.last_metrics.get("mixed_precision"),
         "spool_bytes": spool_bytes,
         "output_bytes": dir_bytes(run.out),
-        "flops": flops.to_dict(),
+        "flops": run.flops.to_dict(),
     }
-    if run.validation is not None:
-        # before the iteration is marked done: a kill here measures it again on resume
-        row["val_tau"] = run.validation.point(it + 1, res.export_dir, drafter_flops=cumulative.drafter_budget,
-                                              opd_flops=flops.drafter_budget)["tau"]
-    return row
 
 
 def record_iteration(run: OPDRun, it: int, row: dict, ro: dict, res, spool_bytes: int) -> None:

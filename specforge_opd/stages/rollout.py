@@ -83,7 +83,7 @@ def run_rollout(cfg: ExperimentConfig, out_dir, drafter_step: int = 0, prompts=N
         raise RolloutError("draft.path is not set: pass the drafter to roll out with (draft.path=DIR)")
     bundle = target_mod.load_target(cfg.target)  # through the module: tests patch it there
     draft_path = str(cfg.resolve_path(cfg.draft.path))
-    drafter = load_drafter(cfg.resolve_path(cfg.draft.path), target_config=bundle.model.config, target_dtype=cfg.target.dtype)
+    drafter = load_drafter(draft_path, target_config=bundle.model.config, target_dtype=cfg.target.dtype)
     drafter = drafter.to(next(bundle.model.parameters()).device)
     mask = cfg.draft.mask_token_id if cfg.draft.mask_token_id is not None else drafter_mask_token_id(drafter)
     stops = sorted(set(bundle.stop_token_ids) | set(cfg.target.stop_token_ids))
