@@ -96,6 +96,19 @@ def test_opd_loop_and_resume(tmp_path, capsys):
         run_opd(cfg3, target=bundle2, prompts=prompts)
 
 
+def test_iteration_rollout_samples_with_the_seed_its_shards_record(tmp_path):
+    """Iteration ``it``'s embedded engine samples with ``rollout.seed + it``: the seed its shard meta records and
+    the SGLang backends are sent. It used to sample every iteration with ``rollout.seed``."""
+    from specforge_opd.stages.opd import _rollout_engine
+
+    cfg, bundle, _ = _setup(tmp_path, "seed")
+    cfg.rollout.seed = 7
+    for it in (0, 1, 3):
+        engine, meta, step = _rollout_engine(cfg, bundle, cfg.draft.path, it)
+        assert (engine.rcfg.seed, meta.seed, step) == (7 + it, 7 + it, 0)
+    assert cfg.rollout.seed == 7  # the run's config is left as it was
+
+
 def test_opd_loop_over_sglang_verify_standin(tmp_path):
     """rollout.backend=sglang_verify: the OPD loop rolls out through an SGLang(-shaped) server and measures
     the same on-policy tau per iteration as the embedded backend; native mode refuses fixed URLs."""

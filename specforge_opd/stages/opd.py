@@ -239,11 +239,14 @@ def rollout_phase(cfg, engine, bundle, prompts: list[tuple[str, list[int]]], sha
 
 def _rollout_engine(cfg, bundle, drafter_dir, it: int) -> tuple[SpeculativeEngine, ShardMeta, int]:
     """The drafter in ``drafter_dir`` on the target's device, the engine that rolls out with it, the shard meta
-    of iteration ``it``'s rollout, and the drafter's optimizer step (its metadata's ``step``, 0 when absent)."""
+    of iteration ``it``'s rollout, and the drafter's optimizer step (its metadata's ``step``, 0 when absent).
+
+    The engine samples with ``rollout.seed + it``, the seed the shard meta records and the SGLang backends
+    receive, so every refresh draws afresh and both backends draw alike."""
     drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
     step = int(read_drafter_metadata(drafter_dir).get("step", 0))
     engine = SpeculativeEngine(
-        bundle.model, drafter, cfg.rollout, stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
+        bundle.model, drafter, cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + it}), stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
         max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
     )
     return engine, _rollout_meta(cfg, bundle, drafter, drafter_dir, step, it), step
