@@ -241,15 +241,17 @@ def _rollout_engine(cfg, bundle, drafter_dir, it: int) -> tuple[SpeculativeEngin
     """The drafter in ``drafter_dir`` on the target's device, the engine that rolls out with it, the shard meta
     of iteration ``it``'s rollout, and the drafter's optimizer step (its metadata's ``step``, 0 when absent).
 
-    The engine samples with ``rollout.seed + it``, the seed the shard meta records and the SGLang backends
-    receive, so every refresh draws afresh and both backends draw alike."""
+    The engine samples with the seed the shard meta records (``ShardMeta.of_rollout``: ``rollout.seed + it``),
+    which the SGLang backends receive too, so every refresh draws afresh and both backends draw alike."""
     drafter = load_any_drafter(drafter_dir, bundle.model.config).to(bundle.model.device).eval()
     step = int(read_drafter_metadata(drafter_dir).get("step", 0))
+    meta = _rollout_meta(cfg, bundle, drafter, drafter_dir, step, it)
     engine = SpeculativeEngine(
-        bundle.model, drafter, cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + it}), stop_token_ids=bundle.stop_token_ids, mask_token_id=drafter_mask_token_id(drafter),
-        max_context=cfg.target.max_context, too_long=cfg.target.too_long, prefill_chunk=cfg.target.prefill_chunk,
+        bundle.model, drafter, cfg.rollout.model_copy(update={"seed": meta.seed}), stop_token_ids=bundle.stop_token_ids,
+        mask_token_id=drafter_mask_token_id(drafter), max_context=cfg.target.max_context, too_long=cfg.target.too_long,
+        prefill_chunk=cfg.target.prefill_chunk,
     )
-    return engine, _rollout_meta(cfg, bundle, drafter, drafter_dir, step, it), step
+    return engine, meta, step
 
 
 def _rollout_meta(cfg, bundle, drafter, drafter_dir, drafter_step: int, it: int) -> ShardMeta:
@@ -485,8 +487,9 @@ def _iteration_rollout(run: OPDRun, it: int, it_dir: Path, drafter_dir: str) -> 
     idx = iteration_prompt_indices(run.plan, it, cfg.data.seed)
     prompts = run.prompts
     mine = [(f"{prompts[i][0]}#g{it * run.plan.prompts_per_iteration + j}", prompts[i][1]) for j, i in enumerate(idx)][rank::world]
+    # the config the SGLang backends are built from (``make_backend``) samples with the meta's seed too
     rcfg = cfg.model_copy(deep=True)
-    rcfg.rollout.seed = cfg.rollout.seed + it
+    rcfg.rollout.seed = meta.seed
     ro = rollout_phase(rcfg, engine, bundle, mine, shard_dir, meta, drafter_step, drafter_dir=drafter_dir, hooks=run.hooks)
     del engine  # and its drafter: the trainer loads its own copy
     healed = ro.pop("healed")
