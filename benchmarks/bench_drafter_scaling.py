@@ -55,9 +55,9 @@ DATA = {"data1x": 1, "data2x": 2, "data4x": 4}
 POINTS = tuple(DATA) + tuple(DEPTHS)
 #: The point that is the config's own run (every sample, 1 layer): trained in its output.dir.
 BASE_POINT = "data4x"
-#: The shipped drafter (the v2 mix's two-stage run, configs/small/sft_mix_v2_l3*.yaml) and the one it succeeded.
-PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3"
-PREVIOUS = "published:smollm2-135m-instruct-dflash-b8-mixmath-l3"
+#: The best shipped drafter (the v2 mix's three-stage run, configs/small/sft_mix_v2_l3*.yaml) and the one it succeeded.
+PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3-long"  # models.published.BEST_DRAFTER
+PREVIOUS = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3"
 #: Two long runs that differ only in their response tokens: the same warm start, recipe (constant LR)
 #: and sources, one on a quarter of the other's prompts. Their tau per 10x tokens is the data slope
 #: measured past the fixed budget, where the budget points are still early on their curves.

@@ -49,8 +49,8 @@ def test_table_names_the_shipped_and_the_previous_drafter():
     new = {**old, "published_name": bench.PUBLISHED, "published": row(1.27), "published_mean_tau": 1.27,
            "previous_name": bench.PREVIOUS, "previous": row(1.25), "previous_mean_tau": 1.25}
     lines = bench.render(new).splitlines()
-    assert any(l.startswith("| published (b8-mixv2-l3) |") and "1.270" in l for l in lines)
-    assert any(l.startswith("| previous (b8-mixmath-l3) |") and "1.250" in l for l in lines)
+    assert any(l.startswith("| published (b8-mixv2-l3-long) |") and "1.270" in l for l in lines)
+    assert any(l.startswith("| previous (b8-mixv2-l3) |") and "1.250" in l for l in lines)
     from specforge_opd.models.published import available
 
     shipped = [n.split(":", 1)[-1] for n in (bench.PUBLISHED, bench.PREVIOUS)]

@@ -149,3 +149,15 @@ def test_a_retired_drafter_is_refused_with_its_successor_and_recipe():
             published.published_drafter(old)
         with pytest.raises(UserError, match="no longer ships"):
             load_config(None, [f"draft.path=published:{old}"]).resolve_path(f"published:{old}")
+
+
+def test_the_best_drafter_is_the_recorded_tables_best_shipped_row():
+    """``BEST_DRAFTER`` is the published row of ``drafter_scaling.json``, and no shipped drafter that table
+    measured beats it: the name users are pointed to is the one with the highest held-out mean tau."""
+    import json
+    from pathlib import Path
+
+    table = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/drafter_scaling.json").read_text())
+    assert published.BEST_DRAFTER in published.available()
+    assert table["published_name"] == published.SCHEME + published.BEST_DRAFTER
+    assert table["published_mean_tau"] >= table["previous_mean_tau"]

@@ -1,15 +1,18 @@
 """Drafters shipped in the package: the embedded target's published DFlash drafter.
 
-A user starts OPD from a published DFlash checkpoint; on the embedded default
-that is ``published:smollm2-135m-instruct-dflash-b8-mixv2-l3``, trained in two stages:
-``configs/small/sft_mix_v2_l3.yaml`` (3 layers; about 4.7K chat, later-turn, code and
-math prompts with 256-token responses, warm-started from ``...-dflash-b8-mixmath-l3`` at a
-constant LR) and ``configs/small/sft_mix_v2_l3_anneal.yaml`` (the LR annealed to 0). Its
-predecessors ``...-dflash-b8-mixmath-l3`` (3 layers, ``configs/small/sft_mix_math_l3.yaml``)
-and ``...-dflash-b8`` (1 layer, ``configs/small/sft.yaml``) still ship and resolve;
-``...-dflash-b8-turns256-l3`` no longer ships (``RETIRED``: resolving it names its successor and
-the recipe that retrains it). Any config path field that names a drafter accepts ``published:NAME``
-(``config.ExperimentConfig.resolve_path``).
+A user starts OPD from a published DFlash checkpoint. The embedded target's best is
+``published:smollm2-135m-instruct-dflash-b8-mixv2-l3-long``, trained in three stages on about
+4.7K chat, later-turn, code and math prompts with 256-token responses (3 layers):
+``configs/small/sft_mix_v2_l3.yaml`` (warm-started from ``...-dflash-b8-mixmath-l3`` at a
+constant LR), ``configs/small/sft_mix_v2_l3_anneal.yaml`` (the LR annealed to 0; that stage's
+export ships as ``...-dflash-b8-mixv2-l3``) and ``configs/small/sft_mix_v2_l3_long.yaml`` (a
+second, longer cosine from it). The main job and the OPD study's config still start from
+``...-dflash-b8-mixv2-l3`` (``EMBEDDED_DRAFTER``), whose recorded runs they reproduce. The
+predecessors ``...-dflash-b8-mixv2-l3``, ``...-dflash-b8-mixmath-l3`` (3 layers,
+``configs/small/sft_mix_math_l3.yaml``; stage 1 starts from it) and ``...-dflash-b8`` (1 layer,
+``configs/small/sft.yaml``) ship and resolve; ``...-dflash-b8-turns256-l3`` no longer ships
+(``RETIRED``: resolving it names its successor and the recipe that retrains it). Any config path
+field that names a drafter accepts ``published:NAME`` (``config.ExperimentConfig.resolve_path``).
 
 Each published drafter is an HF DFlash directory (``config.json``,
 ``model.safetensors``, ``specforge_opd.json``) plus ``training_record.json``: the
@@ -37,10 +40,12 @@ from typing import Optional
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 #: Prefix of a config path that names a published drafter.
 SCHEME = "published:"
-#: The embedded target's published drafter: the one the main job and the OPD study start from.
+#: The published drafter the main job and the OPD study's config start from (not yet the best, ``BEST_DRAFTER``).
 EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8-mixv2-l3"
+#: The embedded target's best published drafter (highest mean held-out tau, ``benchmarks/results/drafter_scaling.json``).
+BEST_DRAFTER = "smollm2-135m-instruct-dflash-b8-mixv2-l3-long"
 #: Drafters that no longer ship (the package carries the newest few): name -> (successor, recipe).
-RETIRED = {"smollm2-135m-instruct-dflash-b8-turns256-l3": ("smollm2-135m-instruct-dflash-b8-mixv2-l3",
+RETIRED = {"smollm2-135m-instruct-dflash-b8-turns256-l3": ("smollm2-135m-instruct-dflash-b8-mixv2-l3-long",
                                                            "configs/small/sft_turns256_l3.yaml")}
 RECORD_FILE = "training_record.json"
 
