@@ -46,6 +46,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specforge_opd.models.published import BEST_DRAFTER, SCHEME
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
 #: Response tokens the first published drafter (-b8) trained on (its 791 samples of configs/small/sft.yaml).
@@ -56,7 +58,7 @@ POINTS = tuple(DATA) + tuple(DEPTHS)
 #: The point that is the config's own run (every sample, 1 layer): trained in its output.dir.
 BASE_POINT = "data4x"
 #: The best shipped drafter (the v2 mix's three-stage run, configs/small/sft_mix_v2_l3*.yaml) and the one it succeeded.
-PUBLISHED = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3-long"  # models.published.BEST_DRAFTER
+PUBLISHED = SCHEME + BEST_DRAFTER
 PREVIOUS = "published:smollm2-135m-instruct-dflash-b8-mixv2-l3"
 #: Two long runs that differ only in their response tokens: the same warm start, recipe (constant LR)
 #: and sources, one on a quarter of the other's prompts. Their tau per 10x tokens is the data slope
