@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default (what `make demo` runs after set-up):
 # a short SFT that shows the pipeline -> OPD from the published plateau drafter
-# (published:smollm2-135m-instruct-dflash-b8-mixv2-l3, trained by configs/small/sft_mix_v2_l3.yaml and its anneal) ->
+# (published:smollm2-135m-instruct-dflash-b8-mixv2-l3-long, trained by configs/small/sft_mix_v2_l3*.yaml, three stages) ->
 # the matched-FLOPs SFT baseline -> evaluation table on held-out sets.
 #   scripts/demo.sh [--own-sft] [section.field=value ...]
 # --own-sft: OPD (and the table's SFT row) start from this run's short SFT instead.

@@ -6,8 +6,8 @@ A user starts OPD from a published DFlash checkpoint. The embedded target's best
 ``configs/small/sft_mix_v2_l3.yaml`` (warm-started from ``...-dflash-b8-mixmath-l3`` at a
 constant LR), ``configs/small/sft_mix_v2_l3_anneal.yaml`` (the LR annealed to 0; that stage's
 export ships as ``...-dflash-b8-mixv2-l3``) and ``configs/small/sft_mix_v2_l3_long.yaml`` (a
-second, longer cosine from it). The main job and the OPD study's config still start from
-``...-dflash-b8-mixv2-l3`` (``EMBEDDED_DRAFTER``), whose recorded runs they reproduce. The
+second, longer cosine from it). The main job and the OPD study's config start from it
+(``EMBEDDED_DRAFTER``, equal to ``BEST_DRAFTER``). The
 predecessors ``...-dflash-b8-mixv2-l3``, ``...-dflash-b8-mixmath-l3`` (3 layers,
 ``configs/small/sft_mix_math_l3.yaml``; stage 1 starts from it) and ``...-dflash-b8`` (1 layer,
 ``configs/small/sft.yaml``) ship and resolve; ``...-dflash-b8-turns256-l3`` no longer ships
@@ -40,10 +40,10 @@ from typing import Optional
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 #: Prefix of a config path that names a published drafter.
 SCHEME = "published:"
-#: The published drafter the main job and the OPD study's config start from (not yet the best, ``BEST_DRAFTER``).
-EMBEDDED_DRAFTER = "smollm2-135m-instruct-dflash-b8-mixv2-l3"
 #: The embedded target's best published drafter (highest mean held-out tau, ``benchmarks/results/drafter_scaling.json``).
 BEST_DRAFTER = "smollm2-135m-instruct-dflash-b8-mixv2-l3-long"
+#: The published drafter the main job and the OPD study's config start from: the best one.
+EMBEDDED_DRAFTER = BEST_DRAFTER
 #: Drafters that no longer ship (the package carries the newest few): name -> (successor, recipe).
 RETIRED = {"smollm2-135m-instruct-dflash-b8-turns256-l3": ("smollm2-135m-instruct-dflash-b8-mixv2-l3-long",
                                                            "configs/small/sft_turns256_l3.yaml")}
