@@ -410,7 +410,7 @@ def test_opd_at_scale_compares_new_baselines_with_recorded_opd_rows_paired():
     assert bench.add_recorded(committed, {"start": drafter("start", "s")}, other) == []
 
 
-@pytest.mark.parametrize("name", ["opd_at_scale", "opd_at_scale_l3", "opd_at_scale_b8", "opd_at_scale_v2"])
+@pytest.mark.parametrize("name", ["opd_at_scale", "opd_at_scale_l3", "opd_at_scale_b8", "opd_at_scale_v2", "opd_at_scale_v3"])
 def test_readme_opd_at_scale_table_is_the_committed_result(name):
     """Each README OPD-at-scale table is bench_opd_at_scale.py --render of its benchmarks/results/<name>.json."""
     import importlib.util
